@@ -1,0 +1,76 @@
+"""The `pubsub-sidecar` command: parses arguments and hands off to the module that does the job.
+
+Each subcommand lives in its own module and is imported only when chosen, so `pubsub-sidecar
+emulators` never loads the sidecar and `pubsub-sidecar run` never loads the emulators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+"""Exit code for a command line or config file the user must fix (argparse uses it too)."""
+
+# subcommand -> "module:function"; the function takes the parsed namespace and returns an exit code.
+_COMMANDS: dict[str, str] = {
+    "run": "sidecar.app:run_command",
+    "emulators": "sidecar.emulators.main:run_command",
+    "demo": "sidecar.demo:run_command",
+    "status": "sidecar.status:run_command",
+    "bench": "bench.__main__:run_command",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pubsub-sidecar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the sidecar")
+    run.add_argument("--config", required=True, help="YAML config file")
+    run.add_argument("--log-format", choices=["json", "text"], default="json")
+    run.add_argument("--log-level", default="INFO")
+    run.add_argument(
+        "--grace-period",
+        type=float,
+        default=25.0,
+        help="seconds SIGTERM waits for in-flight acks before giving messages back (default 25)",
+    )
+
+    emu = sub.add_parser("emulators", help="run the Pub/Sub, Firestore and Monitoring emulators")
+    emu.add_argument("--host", default="127.0.0.1")
+    emu.add_argument("--pubsub-port", type=int, default=8085)
+    emu.add_argument("--firestore-port", type=int, default=8080)
+    emu.add_argument("--monitoring-port", type=int, default=8086)
+    emu.add_argument("--admin-port", type=int, default=8087, help="HTTP admin: fault injection, counters")
+    emu.add_argument("--metric-period", type=float, default=60.0, help="metric sampling period, seconds")
+    emu.add_argument("--metric-delay", type=float, default=120.0, help="metric visibility delay, seconds")
+
+    demo = sub.add_parser("demo", help="emulators + sidecar + publisher + app, with a summary")
+    demo.add_argument("--orders", type=int, default=20)
+    demo.add_argument("--log-format", choices=["json", "text"], default="text")
+
+    status = sub.add_parser("status", help="show what GetStatus says")
+    status.add_argument("--target", required=True, help="sidecar address, host:port or unix:///path")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--scenario", action="append", help="run only these scenarios")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, _, func_name = _COMMANDS[args.command].partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The engine's vocabulary: messages, configuration, decisions, status and snapshots.
+
+Small frozen dataclasses with slots, like h11's events. Everything here is plain data: no I/O, no
+clock, no asyncio. Times are integers in milliseconds since the Unix epoch (``*_ms``), passed in
+by the caller; the engine never reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["sequence", "watermark", "none"]
+GapPolicy = Literal["hold", "skip"]
+LatePolicy = Literal["dead_letter", "deliver"]
+DeadLetterPolicy = Literal["block", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """What the app receives besides ordering fields. The engine never looks inside."""
+
+    data: bytes
+    attributes: dict[str, str]
+    publish_time_ms: int
+    ordering_key: str = ""
+    ref: str = ""
+    """The store's handle for this message (e.g. the Firestore document id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message the store has made durable, classified by ingest.
+
+    ``sequence`` is set in sequence mode, ``timestamp_ms`` (event time) in watermark mode.
+    ``fingerprint`` is a hash of data and attributes: the same key and sequence with another
+    fingerprint is a conflict, not a duplicate.
+    """
+
+    key: str
+    dedup_id: str
+    message_id: str
+    fingerprint: bytes
+    stored_at_ms: int
+    sequence: int | None = None
+    timestamp_ms: int | None = None
+    payload: Payload | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One subscription's ordering and delivery policy (DESIGN §4, §7), durations in ms."""
+
+    mode: Mode
+    sequence_start: int = 1
+    first_sequence_any: bool = False
+    gap_timeout_ms: int | None = None
+    on_gap_timeout: GapPolicy = "hold"
+    on_late: LatePolicy = "dead_letter"
+    dedup_ttl_ms: int = 7 * 24 * 3600 * 1000
+    max_in_flight_per_key: int = 1
+    ack_deadline_ms: int = 60_000
+    max_delivery_attempts: int = 5
+    backoff_initial_ms: int = 1_000
+    backoff_maximum_ms: int = 600_000
+    on_dead_letter: DeadLetterPolicy = "block"
+
+
+# ---- decisions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedRange:
+    first: int
+    last: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Send ``message`` to ``consumer`` (a stream) as delivery ``delivery_id``."""
+
+    delivery_id: str
+    consumer: str
+    message: Message
+    attempt: int
+    late: bool = False
+    skipped: tuple[SkippedRange, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DropDuplicate:
+    """Already stored, delivered or acked: nothing reaches the app. The I/O layer acks Pub/Sub."""
+
+    message: Message
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Publish to the dead-letter topic with ``reason``, then report back with ``dead_letter_done``."""
+
+    message: Message
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Kept back: ``reason`` says on what (e.g. "missing sequence 7", "watermark at ...")."""
+
+    message: Message
+    reason: str
+
+
+Action = Deliver | DropDuplicate | DeadLetter | Hold
+
+
+# ---- ack bookkeeping -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AckIntent:
+    """An app ack accepted by the engine, to be made durable by the store before it counts.
+
+    ``cursor`` is the key's cursor once this ack is durable: in sequence mode the next expected
+    sequence, in watermark mode the delivered position ``(timestamp_ms, dedup_id)``, None in none mode.
+    """
+
+    delivery_id: str
+    message: Message
+    cursor: int | tuple[int, str] | None
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+KeyState = Literal[
+    "waiting_sequence", "waiting_watermark", "blocked_dead_letter", "backoff", "in_flight", "ready", "idle"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStatus:
+    key: str
+    state: KeyState
+    waiting_for: str
+    """Human-readable: "sequence 7", "watermark to pass 2026-12-01T00:00:00Z", ... ("" when not waiting)."""
+    since_ms: int | None
+    buffered: int
+    in_flight: int
+    next_sequence: int | None = None
+    missing_sequence: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    mode: Mode
+    buffered: int
+    """Messages stored and not yet acked, dead-lettered or dropped (held + ready + in flight)."""
+    ready: int
+    in_flight: int
+    keys: int
+    keys_blocked: int
+    """Keys that wait on a gap, the watermark, a backoff or a dead letter while holding messages."""
+    oldest_undelivered_ms: int | None
+    """``stored_at_ms`` of the oldest message not yet delivered to the app (None when there is none)."""
+    watermark_ms: int | None
+    counts: dict[str, int]
+    """Cumulative counters: stored, delivered, acked, nacked, expired, duplicates, dead_lettered, late,
+    skipped, and dead_lettered:<reason> per reason."""
+
+
+# ---- recovery --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCursor:
+    """What the store keeps per key to rebuild the engine.
+
+    sequence mode: ``next_sequence``; watermark mode: ``last_position`` delivered and acked.
+    ``blocked`` is True when the key stopped on a dead letter with ``on_dead_letter: block``.
+    """
+
+    key: str
+    next_sequence: int | None = None
+    last_position: tuple[int, str] | None = None
+    blocked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Everything needed to rebuild an engine: cursors plus messages still pending.
+
+    In-flight deliveries are not part of a snapshot: after a restart they are pending again and
+    are delivered once more (an ack that was not confirmed may lead to one redelivery, G3).
+    """
+
+    cursors: tuple[KeyCursor, ...]
+    pending: tuple[Message, ...]
+    watermark_ms: int | None = None
