@@ -19,10 +19,10 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar tests bench
+	$(VENV)/bin/ruff check sidecar tests bench scripts
 
 proto: $(STAMP)
-	$(PY) -m sidecar._proto_build
+	$(PY) scripts/gen_proto.py
 
 emulators: $(STAMP)
 	$(VENV)/bin/pubsub-sidecar emulators

@@ -1,0 +1,165 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("open", "ack", "nack")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    NACK_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    ack: Ack
+    nack: Nack
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., nack: _Optional[_Union[Nack, _Mapping]] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("subscription", "max_outstanding_messages")
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTSTANDING_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    subscription: str
+    max_outstanding_messages: int
+    def __init__(self, subscription: _Optional[str] = ..., max_outstanding_messages: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("delivery_ids",)
+    DELIVERY_IDS_FIELD_NUMBER: _ClassVar[int]
+    delivery_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, delivery_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Nack(_message.Message):
+    __slots__ = ("delivery_ids", "retry_after", "dead_letter")
+    DELIVERY_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTER_FIELD_NUMBER: _ClassVar[int]
+    delivery_ids: _containers.RepeatedScalarFieldContainer[str]
+    retry_after: _duration_pb2.Duration
+    dead_letter: bool
+    def __init__(self, delivery_ids: _Optional[_Iterable[str]] = ..., retry_after: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., dead_letter: _Optional[bool] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ("messages", "ack_confirmations")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ACK_CONFIRMATIONS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[OrderedMessage]
+    ack_confirmations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, messages: _Optional[_Iterable[_Union[OrderedMessage, _Mapping]]] = ..., ack_confirmations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OrderedMessage(_message.Message):
+    __slots__ = ("delivery_id", "key", "message_id", "dedup_id", "data", "attributes", "publish_time", "sequence", "event_time", "delivery_attempt", "late", "skipped")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    delivery_id: str
+    key: str
+    message_id: str
+    dedup_id: str
+    data: bytes
+    attributes: _containers.ScalarMap[str, str]
+    publish_time: _timestamp_pb2.Timestamp
+    sequence: int
+    event_time: _timestamp_pb2.Timestamp
+    delivery_attempt: int
+    late: bool
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedRange]
+    def __init__(self, delivery_id: _Optional[str] = ..., key: _Optional[str] = ..., message_id: _Optional[str] = ..., dedup_id: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., publish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sequence: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., late: _Optional[bool] = ..., skipped: _Optional[_Iterable[_Union[SkippedRange, _Mapping]]] = ...) -> None: ...
+
+class SkippedRange(_message.Message):
+    __slots__ = ("first", "last")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("subscription", "max_keys")
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    subscription: str
+    max_keys: int
+    def __init__(self, subscription: _Optional[str] = ..., max_keys: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("subscriptions",)
+    SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    subscriptions: _containers.RepeatedCompositeFieldContainer[SubscriptionStatus]
+    def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ...) -> None: ...
+
+class SubscriptionStatus(_message.Message):
+    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail")
+    class CountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_UNDELIVERED_AGE_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_LAG_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    mode: str
+    buffered: int
+    ready: int
+    in_flight: int
+    keys: int
+    keys_blocked: int
+    oldest_undelivered_age: _duration_pb2.Duration
+    watermark: _timestamp_pb2.Timestamp
+    watermark_lag: _duration_pb2.Duration
+    counts: _containers.ScalarMap[str, int]
+    keys_detail: _containers.RepeatedCompositeFieldContainer[KeyStatus]
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ...) -> None: ...
+
+class KeyStatus(_message.Message):
+    __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    state: str
+    waiting_for: str
+    since: _timestamp_pb2.Timestamp
+    buffered: int
+    in_flight: int
+    next_sequence: int
+    missing_sequence: int
+    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., buffered: _Optional[int] = ..., in_flight: _Optional[int] = ..., next_sequence: _Optional[int] = ..., missing_sequence: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,465 @@
+"""The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams and GetStatus.
+
+The only module that turns engine types into protobuf messages. Rules:
+
+- Each Subscribe stream is one engine consumer with its own id. Its first request must be ``open``;
+  later requests are ``ack``/``nack`` (an empty request is accepted and ignored, as a keepalive).
+- Flow control: a stream has at most ``max_outstanding_messages`` messages sent and not yet acked or
+  nacked (0 = ``default_max_outstanding``; above ``max_outstanding_limit`` or negative is
+  INVALID_ARGUMENT). The sender takes up to the free budget from the runtime at once and sends it in
+  as few responses as fit under ``_MAX_RESPONSE_BYTES`` (clients' default receive limit is 4 MiB; a
+  single larger message goes alone, so clients that expect messages above 4 MiB must raise it).
+  A delivery the app keeps past the subscription's ack deadline is expired by the engine; the stream
+  then stops counting it, so an app that never acks cannot pin the budget.
+- Acks are handed to the runtime at once (the key stays "acking"); the delivery ids come back in
+  ``ack_confirmations`` only when the runtime reports them durable. Reading never waits for a
+  commit, so acks from one stream batch into the same group commit.
+- Ack/nack of a delivery id the engine does not know for this stream is counted and ignored.
+- However a stream ends (client gone, cancel, deadline, error), ``consumer_closed`` runs in a
+  ``finally`` so its in-flight messages are redelivered at once.
+- Domain errors map to gRPC status codes in one place: ``_status_for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
+from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
+from sidecar.runtime import AckTicket, SubscriptionRuntime, SubscriptionUnavailable
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MAX_OUTSTANDING = 1000
+"""Pub/Sub's own client default: enough to keep 1,000 keys busy with one message each."""
+
+MAX_OUTSTANDING_LIMIT = 10_000
+"""Caps what one stream may hold unacked: Pub/Sub messages reach 10 MB, so memory is the limit."""
+
+MAX_STATUS_KEYS = 10_000
+"""GetStatus per-key detail cap: keeps one response well under the default 4 MiB receive limit."""
+
+_MAX_RESPONSE_BYTES = 3 * 1024 * 1024
+"""Stay under the 4 MiB default receive limit of gRPC clients, with room for our size estimate's error."""
+
+_MESSAGE_OVERHEAD_BYTES = 96
+"""Rough protobuf framing per OrderedMessage (tags, lengths, timestamps, attempt, flags)."""
+
+_consumer_ids = itertools.count(1)
+
+
+class BadRequest(ValueError):
+    """The client sent something it must not: INVALID_ARGUMENT, the stream ends."""
+
+
+class UnknownSubscription(LookupError):
+    """No subscription by that name in the config: NOT_FOUND."""
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from our errors to gRPC status codes and messages."""
+    if isinstance(exc, BadRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, UnknownSubscription):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown subscription"
+    if isinstance(exc, SubscriptionUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+@dataclass(slots=True)
+class DeliveryCounters:
+    streams_opened: int = 0
+    streams_active: int = 0
+    messages_sent: int = 0
+    responses_sent: int = 0
+    unknown_ids: int = 0
+    bad_requests: int = 0
+
+
+class _Stream:
+    """One Subscribe stream's state, shared by its sender (the handler) and its reader task."""
+
+    def __init__(self, runtime: SubscriptionRuntime, max_outstanding: int, ack_deadline_ms: int) -> None:
+        self.runtime = runtime
+        self.consumer = f"{runtime.name}#{next(_consumer_ids)}"
+        self.max_outstanding = max_outstanding
+        self.ack_deadline_ms = ack_deadline_ms
+        self.outstanding: dict[str, int] = {}
+        """delivery id -> sent at (ms), oldest first."""
+        self.confirmations: list[str] = []
+        self.pending_acks = 0
+        self.wake = asyncio.Event()
+        self.error: BaseException | None = None
+        self.reader_done = False
+
+    def free_budget(self, now_ms: int) -> int:
+        free = self.max_outstanding - len(self.outstanding)
+        if free <= 0:
+            # The engine expires deliveries kept past the ack deadline and redelivers them; stop
+            # counting those so an app that forgot some acks still gets messages.
+            expired_before = now_ms - self.ack_deadline_ms
+            for delivery_id, sent_ms in list(self.outstanding.items()):
+                if sent_ms > expired_before:
+                    break
+                del self.outstanding[delivery_id]
+            free = self.max_outstanding - len(self.outstanding)
+        return free
+
+    def seconds_until_expiry(self, now_ms: int) -> float | None:
+        if len(self.outstanding) < self.max_outstanding or not self.outstanding:
+            return None
+        oldest_ms = next(iter(self.outstanding.values()))
+        return max(0.0, (oldest_ms + self.ack_deadline_ms - now_ms) / 1000)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.wake.set()
+
+    def on_confirmed(self, future: asyncio.Future[list[str]]) -> None:
+        self.pending_acks -= 1
+        if future.cancelled():
+            self.fail(SubscriptionUnavailable(f"subscription {self.runtime.name!r} stopped before acks were durable"))
+        elif (exc := future.exception()) is not None:
+            self.fail(exc)
+        else:
+            self.confirmations.extend(future.result())
+        self.wake.set()
+
+
+class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
+    """Serves Subscribe and GetStatus over ``{subscription name: SubscriptionRuntime}``."""
+
+    def __init__(
+        self,
+        runtimes: Mapping[str, SubscriptionRuntime],
+        *,
+        default_max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        max_outstanding_limit: int = MAX_OUTSTANDING_LIMIT,
+    ) -> None:
+        if not 0 < default_max_outstanding <= max_outstanding_limit:
+            raise ValueError(
+                f"default_max_outstanding must be in 1..{max_outstanding_limit}, got {default_max_outstanding}"
+            )
+        self._runtimes = dict(runtimes)
+        self._default_max_outstanding = default_max_outstanding
+        self._max_outstanding_limit = max_outstanding_limit
+        self._streams: set[_Stream] = set()
+        self._draining = False
+        self.counters = DeliveryCounters()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Shutdown: send no more messages; each stream ends once its outstanding messages are acked
+        (or nacked) and confirmed. ``server.stop(grace)`` cuts off what is still open after that."""
+        self._draining = True
+        for stream in self._streams:
+            stream.wake.set()
+
+    # ---- Subscribe -------------------------------------------------------------------------
+
+    async def Subscribe(
+        self,
+        request_iterator: AsyncIterator[sidecar_pb2.SubscribeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[sidecar_pb2.SubscribeResponse]:
+        requests = aiter(request_iterator)
+        try:
+            first = await anext(requests, None)
+            if first is None:
+                return  # the client closed without opening: nothing to do
+            stream = self._open(first)
+        except Exception as exc:
+            await self._abort(context, exc)
+            return
+        self.counters.streams_opened += 1
+        self.counters.streams_active += 1
+        runtime = stream.runtime
+        _LOGGER.info(
+            "stream %s opened by %s (max outstanding %d)", stream.consumer, context.peer(), stream.max_outstanding
+        )
+        reader = asyncio.create_task(self._read(stream, requests), name=f"reader:{stream.consumer}")
+        runtime.add_waker(stream.wake)
+        self._streams.add(stream)
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(self._send(stream)) as responses:
+                async for response in responses:
+                    yield response
+            error = stream.error
+        except Exception as exc:
+            error = exc
+        finally:
+            reader.cancel()
+            self._streams.discard(stream)
+            runtime.remove_waker(stream.wake)
+            runtime.consumer_closed(stream.consumer)
+            self.counters.streams_active -= 1
+            _LOGGER.info("stream %s closed (%d messages unacked, given back)", stream.consumer, len(stream.outstanding))
+        if error is not None:
+            await self._abort(context, error)
+
+    def _open(self, request: sidecar_pb2.SubscribeRequest) -> _Stream:
+        if request.WhichOneof("request") != "open":
+            raise BadRequest("first request must be open (SubscribeRequest.open with the subscription name)")
+        runtime = self._runtime(request.open.subscription, field="open.subscription")
+        requested = request.open.max_outstanding_messages
+        if requested < 0 or requested > self._max_outstanding_limit:
+            raise BadRequest(
+                f"open.max_outstanding_messages must be 0 (server default {self._default_max_outstanding}) "
+                f"or 1..{self._max_outstanding_limit}, got {requested}"
+            )
+        if self._draining:
+            raise SubscriptionUnavailable("the sidecar is shutting down; reconnect")
+        if not runtime.is_ready:
+            raise SubscriptionUnavailable(runtime.unavailable_reason())
+        return _Stream(runtime, requested or self._default_max_outstanding, runtime.ack_deadline_ms)
+
+    async def _send(self, stream: _Stream) -> AsyncIterator[sidecar_pb2.SubscribeResponse]:
+        """The sender: takes what the budget allows, sends it with pending confirmations, waits."""
+        runtime = stream.runtime
+        while True:
+            if stream.error is not None:
+                return
+            if not runtime.is_ready:
+                raise SubscriptionUnavailable(runtime.unavailable_reason())
+            stream.wake.clear()
+            now_ms = runtime.now_ms()
+            deliveries: list[Deliver] = []
+            if not stream.reader_done and not self._draining:
+                # Nothing more is sent once the client stopped sending: it could never ack it.
+                free = stream.free_budget(now_ms)
+                if free > 0:
+                    deliveries = runtime.take(stream.consumer, free)
+                    for delivery in deliveries:
+                        stream.outstanding[delivery.delivery_id] = now_ms
+            confirmations, stream.confirmations = stream.confirmations, []
+            if deliveries or confirmations:
+                for response in _responses(deliveries, confirmations):
+                    self.counters.responses_sent += 1
+                    yield response
+                self.counters.messages_sent += len(deliveries)
+                continue
+            if stream.reader_done and stream.pending_acks == 0:
+                return  # half-closed by the client and every ack answered: end with OK
+            if self._draining and stream.pending_acks == 0 and not stream.outstanding:
+                raise SubscriptionUnavailable("the sidecar is shutting down; reconnect")
+            timeout = stream.seconds_until_expiry(now_ms)
+            if timeout is None:
+                await stream.wake.wait()
+            else:
+                try:
+                    await asyncio.wait_for(stream.wake.wait(), timeout)
+                except TimeoutError:
+                    pass
+
+    async def _read(self, stream: _Stream, requests: AsyncIterator[sidecar_pb2.SubscribeRequest]) -> None:
+        """The reader: applies acks and nacks as they arrive; never waits for a commit."""
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("request")
+                if kind == "ack":
+                    self._on_ack(stream, list(request.ack.delivery_ids))
+                elif kind == "nack":
+                    self._on_nack(stream, request.nack)
+                elif kind == "open":
+                    raise BadRequest("open may be sent only once, as the first request of a stream")
+                # An empty request carries nothing: accepted as a keepalive.
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, BadRequest):
+                self.counters.bad_requests += 1
+            stream.fail(exc)
+        finally:
+            stream.reader_done = True
+            stream.wake.set()
+
+    def _on_ack(self, stream: _Stream, delivery_ids: list[str]) -> None:
+        for delivery_id in delivery_ids:
+            stream.outstanding.pop(delivery_id, None)
+        ticket: AckTicket = stream.runtime.submit_ack(stream.consumer, delivery_ids)
+        self._count_unknown(stream, "ack", ticket.unknown)
+        if ticket.confirmed is not None:
+            stream.pending_acks += 1
+            ticket.confirmed.add_done_callback(stream.on_confirmed)
+        stream.wake.set()
+
+    def _on_nack(self, stream: _Stream, nack: sidecar_pb2.Nack) -> None:
+        retry_after_ms: int | None = None
+        if nack.HasField("retry_after"):
+            retry_after_ms = nack.retry_after.ToMilliseconds()
+            if retry_after_ms < 0:
+                raise BadRequest(f"nack.retry_after must not be negative, got {nack.retry_after.ToJsonString()}")
+        delivery_ids = list(nack.delivery_ids)
+        for delivery_id in delivery_ids:
+            stream.outstanding.pop(delivery_id, None)
+        unknown = stream.runtime.nack(
+            stream.consumer, delivery_ids, retry_after_ms=retry_after_ms, dead_letter=nack.dead_letter
+        )
+        self._count_unknown(stream, "nack", unknown)
+        stream.wake.set()
+
+    def _count_unknown(self, stream: _Stream, what: str, unknown: list[str]) -> None:
+        if unknown:
+            self.counters.unknown_ids += len(unknown)
+            _LOGGER.debug("stream %s: %s of %d unknown delivery ids ignored", stream.consumer, what, len(unknown))
+
+    # ---- GetStatus -------------------------------------------------------------------------
+
+    async def GetStatus(
+        self, request: sidecar_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.GetStatusResponse:
+        try:
+            if request.max_keys < 0:
+                raise BadRequest(f"max_keys must be >= 0, got {request.max_keys}")
+            max_keys = min(request.max_keys, MAX_STATUS_KEYS)
+            if request.subscription:
+                runtimes = [self._runtime(request.subscription, field="subscription")]
+            else:
+                runtimes = list(self._runtimes.values())
+            response = sidecar_pb2.GetStatusResponse()
+            for runtime in runtimes:
+                status, keys = runtime.status(max_keys)
+                response.subscriptions.append(_subscription_status(runtime, status, keys, runtime.now_ms()))
+            return response
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: abort raises
+
+    # ---- shared ----------------------------------------------------------------------------
+
+    def _runtime(self, name: str, *, field: str) -> SubscriptionRuntime:
+        known = ", ".join(sorted(self._runtimes)) or "(none)"
+        if not name:
+            raise BadRequest(f"{field} is required: the subscription `name` from the config (one of: {known})")
+        runtime = self._runtimes.get(name)
+        if runtime is None:
+            raise UnknownSubscription(f"unknown subscription {name!r}; this sidecar serves: {known}")
+        return runtime
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        code, details = _status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            _LOGGER.error("request failed: %s", details, exc_info=exc)
+        else:
+            _LOGGER.info("request ended with %s: %s", code.name, details)
+        await context.abort(code, details)
+
+
+# ---- engine types -> protobuf ------------------------------------------------------------------
+
+
+def _responses(deliveries: list[Deliver], confirmations: list[str]) -> list[sidecar_pb2.SubscribeResponse]:
+    """Pack messages into responses under ``_MAX_RESPONSE_BYTES``; confirmations ride on the first."""
+    responses: list[sidecar_pb2.SubscribeResponse] = []
+    batch: list[sidecar_pb2.OrderedMessage] = []
+    batch_bytes = 0
+    for delivery in deliveries:
+        size = _estimated_size(delivery)
+        if batch and batch_bytes + size > _MAX_RESPONSE_BYTES:
+            responses.append(sidecar_pb2.SubscribeResponse(messages=batch))
+            batch, batch_bytes = [], 0
+        batch.append(_ordered_message(delivery))
+        batch_bytes += size
+    if batch or not responses:
+        responses.append(sidecar_pb2.SubscribeResponse(messages=batch))
+    if confirmations:
+        responses[0].ack_confirmations.extend(confirmations)
+    return responses
+
+
+def _estimated_size(delivery: Deliver) -> int:
+    message = delivery.message
+    size = _MESSAGE_OVERHEAD_BYTES + len(delivery.delivery_id) + len(message.key)
+    size += len(message.message_id) + len(message.dedup_id)
+    payload = message.payload
+    if payload is not None:
+        size += len(payload.data) + sum(len(k) + len(v) + 8 for k, v in payload.attributes.items())
+    return size + 16 * len(delivery.skipped)
+
+
+def _ordered_message(delivery: Deliver) -> sidecar_pb2.OrderedMessage:
+    message = delivery.message
+    payload = message.payload
+    proto = sidecar_pb2.OrderedMessage(
+        delivery_id=delivery.delivery_id,
+        key=message.key,
+        message_id=message.message_id,
+        dedup_id=message.dedup_id,
+        sequence=message.sequence or 0,
+        delivery_attempt=delivery.attempt,
+        late=delivery.late,
+        skipped=[sidecar_pb2.SkippedRange(first=r.first, last=r.last) for r in delivery.skipped],
+    )
+    if payload is not None:
+        proto.data = payload.data
+        proto.attributes.update(payload.attributes)
+        proto.publish_time.CopyFrom(_timestamp(payload.publish_time_ms))
+    if message.timestamp_ms is not None:
+        proto.event_time.CopyFrom(_timestamp(message.timestamp_ms))
+    return proto
+
+
+def _timestamp(ms: int) -> timestamp_pb2.Timestamp:
+    seconds, millis = divmod(ms, 1000)
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=millis * 1_000_000)
+
+
+def _duration(ms: int) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromMilliseconds(ms)
+    return duration
+
+
+def _subscription_status(
+    runtime: SubscriptionRuntime, status: EngineStatus, keys: list[KeyStatus], now_ms: int
+) -> sidecar_pb2.SubscriptionStatus:
+    counts = dict(status.counts)
+    runtime_counters = runtime.counters
+    counts["unknown_delivery_ids"] = runtime_counters.unknown_ids
+    counts["ack_commits"] = runtime_counters.ack_commits
+    counts["store_retries"] = runtime_counters.store_retries
+    counts["dead_letter_publish_failures"] = runtime_counters.dead_letter_publish_failures
+    proto = sidecar_pb2.SubscriptionStatus(
+        name=runtime.name,
+        mode=status.mode,
+        buffered=status.buffered,
+        ready=status.ready,
+        in_flight=status.in_flight,
+        keys=status.keys,
+        keys_blocked=status.keys_blocked,
+        counts=counts,
+    )
+    if status.oldest_undelivered_ms is not None:
+        proto.oldest_undelivered_age.CopyFrom(_duration(max(0, now_ms - status.oldest_undelivered_ms)))
+    if status.watermark_ms is not None:
+        proto.watermark.CopyFrom(_timestamp(status.watermark_ms))
+        proto.watermark_lag.CopyFrom(_duration(max(0, now_ms - status.watermark_ms)))
+    for key in keys:
+        detail = proto.keys_detail.add(
+            key=key.key,
+            state=key.state,
+            waiting_for=key.waiting_for,
+            buffered=key.buffered,
+            in_flight=key.in_flight,
+        )
+        if key.since_ms is not None:
+            detail.since.CopyFrom(_timestamp(key.since_ms))
+        if key.next_sequence is not None:
+            detail.next_sequence = key.next_sequence
+        if key.missing_sequence is not None:
+            detail.missing_sequence = key.missing_sequence
+    return proto

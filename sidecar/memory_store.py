@@ -1,0 +1,211 @@
+"""An in-memory ``Store`` for tests and benchmarks of the delivery layer. NOT DURABLE.
+
+Everything lives in this process's memory and is gone when it exits: never use it to run the
+sidecar for real (G1 needs Firestore). It exists so that the runtime and the gRPC servicer can be
+tested and measured without Firestore, with the same observable rules as the Firestore store:
+
+- identity: a message with a ``sequence`` (sequence mode) is identified by ``(key, sequence)``; the
+  same identity with the same ``fingerprint`` is a DUPLICATE, with another fingerprint a CONFLICT
+  (the new one is dead-lettered, the stored one stays). Without a sequence the identity is
+  ``dedup_id``: a second copy is a DUPLICATE. Tombstones (acked, dead-lettered, dropped) keep their
+  identity, so a late redelivery of a finished message is still a duplicate.
+- ``commit_acks`` tombstones each acked message and moves its key's cursor forward, never back.
+- ``load`` returns the cursors plus every message not yet finished, in the order they were stored.
+
+Test hooks are plain public attributes: ``commit_gate`` (an ``asyncio.Event`` that ``commit_acks``
+waits on before committing), ``fail_next(method, count)`` (the next ``count`` calls of ``method``
+raise ``StoreUnavailable`` without changing anything), and call records (``committed_batches``,
+``calls``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message, Payload
+from sidecar.store_api import (
+    IncomingMessage,
+    PersistOutcome,
+    PersistResult,
+    StoreError,
+    StoreUnavailable,
+)
+
+_PENDING = "pending"
+_TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dropped"})
+_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load"})
+
+
+@dataclass(slots=True)
+class _Record:
+    message: Message
+    state: str
+
+
+@dataclass(slots=True)
+class _SubscriptionData:
+    records: dict[str, _Record]
+    """doc id -> record, in insertion (= stored) order."""
+    cursors: dict[str, KeyCursor]
+
+
+def doc_id_for(key: str, dedup_id: str, sequence: int | None) -> str:
+    """The record id: hash of (key, sequence) in sequence mode, else hash of the dedup id (DESIGN §5)."""
+    identity = f"seq\x00{key}\x00{sequence}" if sequence is not None else f"dedup\x00{dedup_id}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:40]
+
+
+class MemoryStore:
+    """``Store`` kept in a dict: for delivery-layer tests and benchmarks only, NOT durable."""
+
+    def __init__(self) -> None:
+        self._subscriptions: dict[str, _SubscriptionData] = {}
+        self.commit_gate: asyncio.Event | None = None
+        """When set to an Event, ``commit_acks`` waits for it before committing (tests hold acks with it)."""
+        self.commits_waiting = 0
+        """commit_acks calls currently held by ``commit_gate``."""
+        self.committed_batches: list[list[str]] = []
+        """Delivery ids of each successful ``commit_acks`` call, in call order."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Calls per method, failed ones included."""
+        self._failures: dict[str, tuple[int, StoreError | None]] = {}
+        self.closed = False
+
+    # ---- test hooks ------------------------------------------------------------------------
+
+    def fail_next(self, method: str, count: int = 1, *, error: StoreError | None = None) -> None:
+        """Make the next ``count`` calls of ``method`` raise ``error`` (default StoreUnavailable)."""
+        if method not in _HOOKED_METHODS:
+            raise ValueError(f"fail_next: method must be one of {sorted(_HOOKED_METHODS)}, got {method!r}")
+        if count < 0:
+            raise ValueError(f"fail_next: count must be >= 0, got {count}")
+        self._failures[method] = (count, error)
+
+    def state_of(self, subscription: str, message: Message) -> str | None:
+        """The stored state of ``message`` ("pending", "acked", ...), None if it was never stored."""
+        data = self._subscriptions.get(subscription)
+        if data is None:
+            return None
+        record = data.records.get(doc_id_for(message.key, message.dedup_id, message.sequence))
+        return None if record is None else record.state
+
+    def cursor(self, subscription: str, key: str) -> KeyCursor | None:
+        data = self._subscriptions.get(subscription)
+        return None if data is None else data.cursors.get(key)
+
+    def _enter(self, method: str) -> None:
+        self.calls[method] += 1
+        if self.closed:
+            raise StoreUnavailable("memory store is closed")
+        remaining, error = self._failures.get(method, (0, None))
+        if remaining > 0:
+            self._failures[method] = (remaining - 1, error)
+            raise error or StoreUnavailable(f"injected failure of {method}")
+
+    def _data(self, subscription: str) -> _SubscriptionData:
+        data = self._subscriptions.get(subscription)
+        if data is None:
+            data = self._subscriptions[subscription] = _SubscriptionData(records={}, cursors={})
+        return data
+
+    # ---- Store -----------------------------------------------------------------------------
+
+    async def persist(self, subscription: str, batch: Sequence[IncomingMessage], now_ms: int) -> list[PersistResult]:
+        self._enter("persist")
+        data = self._data(subscription)
+        results: list[PersistResult] = []
+        for incoming in batch:
+            doc_id = doc_id_for(incoming.key, incoming.dedup_id, incoming.sequence)
+            message = Message(
+                key=incoming.key,
+                dedup_id=incoming.dedup_id,
+                message_id=incoming.message_id,
+                fingerprint=incoming.fingerprint,
+                stored_at_ms=now_ms,
+                sequence=incoming.sequence,
+                timestamp_ms=incoming.timestamp_ms,
+                payload=Payload(
+                    data=incoming.data,
+                    attributes=dict(incoming.attributes),
+                    publish_time_ms=incoming.publish_time_ms,
+                    ordering_key=incoming.ordering_key,
+                    ref=doc_id,
+                ),
+            )
+            existing = data.records.get(doc_id)
+            if existing is None:
+                data.records[doc_id] = _Record(message=message, state=_PENDING)
+                results.append(PersistResult(PersistOutcome.STORED, message))
+            elif incoming.sequence is not None and existing.message.fingerprint != incoming.fingerprint:
+                results.append(PersistResult(PersistOutcome.CONFLICT, message))
+            else:
+                results.append(PersistResult(PersistOutcome.DUPLICATE, existing.message))
+        return results
+
+    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
+        gate = self.commit_gate
+        if gate is not None:
+            self.commits_waiting += 1
+            try:
+                await gate.wait()
+            finally:
+                self.commits_waiting -= 1
+        self._enter("commit_acks")
+        data = self._data(subscription)
+        # Validate first so that a bad batch changes nothing, like an atomic commit.
+        records = [self._record_of(data, ack.message) for ack in acks]
+        for ack, record in zip(acks, records, strict=True):
+            record.state = "acked"
+            self._advance_cursor(data, ack)
+        self.committed_batches.append([ack.delivery_id for ack in acks])
+
+    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+        if state not in _TERMINAL_STATES - {"acked"}:
+            raise ValueError(f"mark_done: state must be 'dead_lettered' or 'dropped', got {state!r}")
+        self._enter("mark_done")
+        data = self._data(subscription)
+        for message in messages:
+            doc_id = doc_id_for(message.key, message.dedup_id, message.sequence)
+            record = data.records.get(doc_id)
+            # A conflict's second copy was never stored: dead-lettering it leaves the original alone.
+            if record is None or record.message.fingerprint != message.fingerprint:
+                continue
+            if record.state == _PENDING:  # a tombstone stays what it first became
+                record.state = state
+
+    async def load(self, subscription: str, now_ms: int) -> EngineSnapshot:
+        self._enter("load")
+        data = self._data(subscription)
+        pending = tuple(r.message for r in data.records.values() if r.state == _PENDING)
+        return EngineSnapshot(cursors=tuple(data.cursors.values()), pending=pending)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _record_of(data: _SubscriptionData, message: Message) -> _Record:
+        record = data.records.get(doc_id_for(message.key, message.dedup_id, message.sequence))
+        if record is None:
+            raise StoreError(f"commit_acks: message {message.dedup_id!r} of key {message.key!r} was never stored")
+        return record
+
+    @staticmethod
+    def _advance_cursor(data: _SubscriptionData, ack: AckIntent) -> None:
+        key = ack.message.key
+        current = data.cursors.get(key, KeyCursor(key=key))
+        cursor = ack.cursor
+        if isinstance(cursor, int):
+            if current.next_sequence is None or cursor > current.next_sequence:
+                current = replace(current, next_sequence=cursor)
+        elif isinstance(cursor, tuple):
+            if current.last_position is None or cursor > current.last_position:
+                current = replace(current, last_position=cursor)
+        else:
+            return  # none mode keeps no cursor
+        data.cursors[key] = current

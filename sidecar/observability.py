@@ -1,0 +1,225 @@
+"""Health and metrics over HTTP: ``/healthz``, ``/readyz`` and ``/metrics`` (aiohttp, prometheus-client).
+
+Counters and gauges are not kept twice: a custom collector reads them from the running
+subscriptions (engine status and ingest counters) at scrape time, so a scrape always agrees with
+GetStatus. Only the two latency histograms are observed as events happen.
+
+``/healthz`` answers 200 while the process serves HTTP at all (liveness). ``/readyz`` answers 200
+once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable); checks
+are cached for ``_CHECK_TTL_SECONDS`` so that probes do not hammer the backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+_LOGGER = logging.getLogger(__name__)
+
+PREFIX = "pubsub_sidecar"
+
+_CHECK_TTL_SECONDS = 2.0
+"""Kubernetes probes every few seconds; a 2 s cache keeps one probe from costing one RPC per backend."""
+
+_CHECK_TIMEOUT_SECONDS = 5.0
+"""A readiness check slower than this counts as failed: an unready pod is better than a hung probe."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionMetrics:
+    """One subscription's counters and gauges at scrape time."""
+
+    subscription: str
+    received: int
+    malformed: int
+    duplicates: int
+    delivered: int
+    acked: int
+    nacked: int
+    late: int
+    dead_lettered: Mapping[str, int]
+    buffered: int
+    in_flight: int
+    keys_blocked: int
+    oldest_undelivered_age_seconds: float
+    watermark_lag_seconds: float | None
+
+
+class SidecarCollector(Collector):
+    """Turns ``SubscriptionMetrics`` snapshots into Prometheus families."""
+
+    def __init__(self, source: Callable[[], Iterable[SubscriptionMetrics]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = list(self._source())
+        counters = {
+            "received": "Messages received from Pub/Sub.",
+            "malformed": "Messages that could not be classified (sent to the dead-letter topic).",
+            "duplicates": "Duplicates dropped (Pub/Sub redeliveries and publisher retries).",
+            "delivered": "Deliveries to the app (redeliveries included).",
+            "acked": "App acks made durable.",
+            "nacked": "App nacks and ack-deadline expiries.",
+            "late": "Messages that arrived behind their key's cursor.",
+        }
+        for name, doc in counters.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+            for snap in snapshots:
+                family.add_metric([snap.subscription], getattr(snap, name))
+            yield family
+        dead = CounterMetricFamily(
+            f"{PREFIX}_dead_lettered", "Messages published to the dead-letter topic.", labels=["subscription", "reason"]
+        )
+        for snap in snapshots:
+            for reason, count in sorted(snap.dead_lettered.items()):
+                dead.add_metric([snap.subscription, reason], count)
+        yield dead
+        gauges = {
+            "buffered_messages": ("buffered", "Messages stored and not yet acked, dead-lettered or dropped."),
+            "in_flight_messages": ("in_flight", "Messages delivered to the app and not yet acked."),
+            "keys_blocked": ("keys_blocked", "Keys holding messages behind a gap, the watermark or a dead letter."),
+            "oldest_undelivered_age_seconds": (
+                "oldest_undelivered_age_seconds",
+                "Age of the oldest stored message not yet delivered: the number to alert on.",
+            ),
+        }
+        for name, (attr, doc) in gauges.items():
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+            for snap in snapshots:
+                family.add_metric([snap.subscription], getattr(snap, attr))
+            yield family
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_watermark_lag_seconds", "Now minus the watermark (watermark mode).", labels=["subscription"]
+        )
+        for snap in snapshots:
+            if snap.watermark_lag_seconds is not None:
+                lag.add_metric([snap.subscription], snap.watermark_lag_seconds)
+        yield lag
+
+
+@dataclass
+class Metrics:
+    """The registry plus the histograms observed as events happen."""
+
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    persist_latency: Histogram = field(init=False)
+    publish_to_delivery: Histogram = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.persist_latency = Histogram(
+            f"{PREFIX}_persist_latency_seconds",
+            "Time for one Firestore persist batch.",
+            ["subscription"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.publish_to_delivery = Histogram(
+            f"{PREFIX}_publish_to_delivery_seconds",
+            "Pub/Sub publish time to first delivery to the app.",
+            ["subscription"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+
+    def add_collector(self, source: Callable[[], Iterable[SubscriptionMetrics]]) -> None:
+        self.registry.register(SidecarCollector(source))
+
+
+ReadinessCheck = Callable[[], Awaitable[None]]
+"""Raises (anything) when the dependency is not reachable."""
+
+
+class Readiness:
+    """Recovered flag plus cached dependency checks."""
+
+    def __init__(self, checks: Mapping[str, ReadinessCheck], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._checks = dict(checks)
+        self._clock = clock
+        self._recovered = False
+        self._shutting_down = False
+        self._cache: dict[str, tuple[float, str | None]] = {}
+        self._lock = asyncio.Lock()
+
+    def mark_recovered(self) -> None:
+        self._recovered = True
+
+    def mark_shutting_down(self) -> None:
+        self._shutting_down = True
+
+    async def evaluate(self) -> tuple[bool, dict[str, str]]:
+        """(ready, {check name: "ok" | reason})."""
+        async with self._lock:
+            now = self._clock()
+            results: dict[str, str] = {
+                "recovered": "ok" if self._recovered else "recovery not finished",
+                "shutdown": "shutting down" if self._shutting_down else "ok",
+            }
+            for name, check in self._checks.items():
+                cached = self._cache.get(name)
+                if cached is None or now - cached[0] > _CHECK_TTL_SECONDS:
+                    cached = (now, await _run_check(check))
+                    self._cache[name] = cached
+                results[name] = cached[1] or "ok"
+            return all(v == "ok" for v in results.values()), results
+
+
+async def _run_check(check: ReadinessCheck) -> str | None:
+    try:
+        await asyncio.wait_for(check(), _CHECK_TIMEOUT_SECONDS)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # any failure means "not ready"; say which
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+class HttpEndpoint:
+    """The aiohttp server for probes and scrapes."""
+
+    def __init__(self, address: str, metrics: Metrics, readiness: Readiness) -> None:
+        host, _, port = address.rpartition(":")
+        self._host = host or "127.0.0.1"
+        self._port = int(port)
+        self._metrics = metrics
+        self._readiness = readiness
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics_handler)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        _LOGGER.info("http endpoint listening", extra={"address": f"{self._host}:{self.bound_port}"})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        ready, checks = await self._readiness.evaluate()
+        return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+    async def _metrics_handler(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
