@@ -1,0 +1,27 @@
+"""Operation counters, billed the way Firestore bills.
+
+- reads: one per document returned by a get, batch get (a missing document costs a read too),
+  query or list; a query or list that returns nothing costs one; an aggregation costs one per
+  1,000 documents matched (at least one); ListCollectionIds costs one per call.
+- writes: one per document written by a set, update, create or transform (a write carrying
+  transforms is still one write).
+- deletes: one per delete write, existing document or not.
+Only writes that were applied are billed: a refused or aborted commit costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Counters:
+    reads: int = 0
+    writes: int = 0
+    deletes: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {"reads": self.reads, "writes": self.writes, "deletes": self.deletes}
+
+    def reset(self) -> None:
+        self.reads = self.writes = self.deletes = 0

@@ -1,0 +1,368 @@
+"""StructuredQuery evaluation over the store, with production's semantics.
+
+- Filters: a missing field matches nothing, ``!=`` and ``not-in`` included. ``<``, ``<=``, ``>``,
+  ``>=`` match only values of the operand's type class (int and double together). ``!=`` matches
+  any present value not equal to the operand (null included); ``not-in`` also excludes null, and
+  matches nothing when its list holds null. ``in``/``not-in``/``array-contains-any`` take a
+  non-empty array of at most 30 values. IS_NAN / IS_NULL and their NOT forms need the field.
+- Order: the explicit order_by, then inequality fields not already ordered (by field path), then
+  ``__name__`` in the direction of the last order. A document lacking an ordered field is left
+  out. Cursors compare a prefix of that order; ``before`` means start_at / end_before.
+- Offset applies after cursors, limit after offset. ``select`` projects fields (``__name__`` alone
+  means no fields).
+- A query looks only at the collections it names: one collection, or for ``all_descendants`` the
+  collections with that id below the parent (found through the store's collection-id index).
+  Ordered by ``__name__`` only, a single-collection query walks the sorted ids and stops at the
+  limit, so paging through a large collection stays linear overall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.emulators.firestore import limits
+from sidecar.emulators.firestore.documents import DocumentStore, Record
+from sidecar.emulators.firestore.errors import invalid
+from sidecar.emulators.firestore.paths import NAME_PATH, FieldPath, format_field_path, parse_field_path
+from sidecar.emulators.firestore.protos import COMPOSITE_OP, DIRECTION, OP, UNARY_OP
+from sidecar.emulators.firestore.values import (
+    RANK_NULL,
+    RANK_REFERENCE,
+    Key,
+    get_field,
+    is_nan,
+    is_null,
+    type_rank,
+    value_key,
+)
+
+Predicate = Callable[[Any], bool]
+"""A test on a Document message."""
+
+_LT, _LE, _GT, _GE = (
+    OP.Value("LESS_THAN"),
+    OP.Value("LESS_THAN_OR_EQUAL"),
+    OP.Value("GREATER_THAN"),
+    OP.Value("GREATER_THAN_OR_EQUAL"),
+)
+_EQ, _NE = OP.Value("EQUAL"), OP.Value("NOT_EQUAL")
+_ARRAY_CONTAINS, _IN = OP.Value("ARRAY_CONTAINS"), OP.Value("IN")
+_ARRAY_CONTAINS_ANY, _NOT_IN = OP.Value("ARRAY_CONTAINS_ANY"), OP.Value("NOT_IN")
+_INEQUALITIES = {_LT, _LE, _GT, _GE, _NE, _NOT_IN}
+_IS_NAN, _IS_NULL = UNARY_OP.Value("IS_NAN"), UNARY_OP.Value("IS_NULL")
+_IS_NOT_NAN, _IS_NOT_NULL = UNARY_OP.Value("IS_NOT_NAN"), UNARY_OP.Value("IS_NOT_NULL")
+_AND, _OR = COMPOSITE_OP.Value("AND"), COMPOSITE_OP.Value("OR")
+_DESCENDING = DIRECTION.Value("DESCENDING")
+
+
+def name_key(name: str) -> Key:
+    """The ordering key of a document name, as a reference value's key."""
+    return (RANK_REFERENCE, tuple(name.split("/")))
+
+
+def _field_value_key(doc: Any, path: FieldPath) -> Key | None:
+    if path == NAME_PATH:
+        return name_key(doc.name)
+    value = get_field(doc.fields, path)
+    return None if value is None else value_key(value)
+
+
+@dataclass
+class Cursor:
+    keys: list[Key]
+    before: bool
+
+
+@dataclass
+class CompiledQuery:
+    """A validated StructuredQuery bound to its parent, ready to run any number of times."""
+
+    parent: str
+    collection_id: str
+    all_descendants: bool
+    predicate: Predicate | None
+    orders: list[tuple[FieldPath, bool]]
+    start: Cursor | None = None
+    end: Cursor | None = None
+    offset: int = 0
+    limit: int | None = None
+    projection: list[FieldPath] | None = None
+    descending: list[bool] = field(default_factory=list)
+
+    def collections(self, store: DocumentStore, read_us: int | None) -> list[str]:
+        if not self.all_descendants:
+            return [f"{self.parent}/{self.collection_id}"]
+        prefix = self.parent + "/"
+        if read_us is None:
+            candidates: Any = store.by_collection_id.get(self.collection_id, ())
+        else:
+            candidates = [p for p in store.collection_paths(read_us) if p.rpartition("/")[2] == self.collection_id]
+        return sorted(p for p in candidates if p.startswith(prefix))
+
+
+def compile_query(parent: str, sq: Any) -> CompiledQuery:
+    """Validate ``sq`` (a StructuredQuery) under ``parent``; raises INVALID_ARGUMENT naming the problem."""
+    if len(sq.from_) != 1:
+        raise invalid("A query must select exactly one collection (from).")
+    selector = sq.from_[0]
+    if not selector.collection_id:
+        raise invalid("A query's from.collection_id must not be empty.")
+    limits.check_id(selector.collection_id, "Collection id", parent)
+    inequality_paths: list[FieldPath] = []
+    predicate = _compile_filter(sq.where, inequality_paths) if sq.HasField("where") else None
+    orders: list[tuple[FieldPath, bool]] = []
+    for order in sq.order_by:
+        path = parse_field_path(order.field.field_path)
+        if any(path == p for p, _ in orders):
+            raise invalid(f"order_by: field {order.field.field_path!r} is ordered twice.")
+        orders.append((path, order.direction == _DESCENDING))
+    ordered = {p for p, _ in orders}
+    for path in sorted(set(inequality_paths) - ordered, key=format_field_path):
+        if path != NAME_PATH:
+            orders.append((path, False))
+    if NAME_PATH not in {p for p, _ in orders}:
+        orders.append((NAME_PATH, orders[-1][1] if orders else False))
+    query = CompiledQuery(
+        parent=parent,
+        collection_id=selector.collection_id,
+        all_descendants=selector.all_descendants,
+        predicate=predicate,
+        orders=orders,
+        descending=[d for _, d in orders],
+    )
+    if sq.HasField("start_at"):
+        query.start = _cursor(sq.start_at, orders, "start_at")
+    if sq.HasField("end_at"):
+        query.end = _cursor(sq.end_at, orders, "end_at")
+    if sq.offset < 0:
+        raise invalid("offset must not be negative.")
+    query.offset = sq.offset
+    if sq.HasField("limit"):
+        if sq.limit.value < 0:
+            raise invalid("limit must not be negative.")
+        query.limit = sq.limit.value
+    if sq.HasField("select"):
+        query.projection = [p for p in (parse_field_path(f.field_path) for f in sq.select.fields) if p != NAME_PATH]
+    return query
+
+
+def _cursor(cursor: Any, orders: list[tuple[FieldPath, bool]], what: str) -> Cursor:
+    if len(cursor.values) > len(orders):
+        raise invalid(f"{what}: too many cursor values ({len(cursor.values)}) for {len(orders)} orderings.")
+    keys = []
+    for value, (path, _) in zip(cursor.values, orders, strict=False):
+        if path == NAME_PATH and value.WhichOneof("value_type") != "reference_value":
+            raise invalid(f"{what}: a cursor value for __name__ must be a reference.")
+        keys.append(value_key(value))
+    return Cursor(keys, cursor.before)
+
+
+def _disjunction(value: Any, op_name: str, path_text: str) -> list[Any]:
+    if value.WhichOneof("value_type") != "array_value" or not value.array_value.values:
+        raise invalid(f"A {op_name} filter on {path_text!r} needs a non-empty array value.")
+    if len(value.array_value.values) > limits.MAX_DISJUNCTION_VALUES:
+        raise invalid(f"A {op_name} filter on {path_text!r} allows at most {limits.MAX_DISJUNCTION_VALUES} values.")
+    return list(value.array_value.values)
+
+
+def _compile_filter(f: Any, inequality_paths: list[FieldPath]) -> Predicate:
+    kind = f.WhichOneof("filter_type")
+    if kind == "composite_filter":
+        parts = [_compile_filter(sub, inequality_paths) for sub in f.composite_filter.filters]
+        if not parts:
+            raise invalid("A composite filter needs at least one filter.")
+        if f.composite_filter.op == _AND:
+            return lambda doc: all(p(doc) for p in parts)
+        if f.composite_filter.op == _OR:
+            return lambda doc: any(p(doc) for p in parts)
+        raise invalid("A composite filter needs op AND or OR.")
+    if kind == "field_filter":
+        return _compile_field_filter(f.field_filter, inequality_paths)
+    if kind == "unary_filter":
+        return _compile_unary(f.unary_filter, inequality_paths)
+    raise invalid("A filter must set one of composite_filter, field_filter, unary_filter.")
+
+
+def _compile_unary(f: Any, inequality_paths: list[FieldPath]) -> Predicate:
+    path = parse_field_path(f.field.field_path)
+    op = f.op
+
+    def value_of(doc: Any) -> Any:
+        return get_field(doc.fields, path)
+
+    if op == _IS_NAN:
+        return lambda doc: (v := value_of(doc)) is not None and is_nan(v)
+    if op == _IS_NULL:
+        return lambda doc: (v := value_of(doc)) is not None and is_null(v)
+    if op in (_IS_NOT_NAN, _IS_NOT_NULL):
+        inequality_paths.append(path)
+        if op == _IS_NOT_NAN:
+            return lambda doc: (v := value_of(doc)) is not None and not is_nan(v)
+        return lambda doc: (v := value_of(doc)) is not None and not is_null(v)
+    raise invalid(f"Unary filter on {f.field.field_path!r} has no valid operator.")
+
+
+def _compile_field_filter(f: Any, inequality_paths: list[FieldPath]) -> Predicate:
+    text = f.field.field_path
+    path = parse_field_path(text)
+    op = f.op
+    operand = f.value
+    if op in _INEQUALITIES:
+        inequality_paths.append(path)
+    is_name = path == NAME_PATH
+
+    def key_of(doc: Any) -> Key | None:
+        if is_name:
+            return name_key(doc.name)
+        value = get_field(doc.fields, path)
+        return None if value is None else value_key(value)
+
+    if op in (_IN, _NOT_IN, _ARRAY_CONTAINS_ANY):
+        members = _disjunction(operand, OP.Name(op).lower(), text)
+        keys = {value_key(v) for v in members}
+        if op == _IN:
+            return lambda doc: key_of(doc) in keys
+        if op == _NOT_IN:
+            if any(is_null(v) for v in members):
+                return lambda doc: False
+
+            def not_in(doc: Any) -> bool:
+                k = key_of(doc)
+                return k is not None and k[0] != RANK_NULL and k not in keys
+
+            return not_in
+
+        def contains_any(doc: Any) -> bool:
+            value = None if is_name else get_field(doc.fields, path)
+            if value is None or value.WhichOneof("value_type") != "array_value":
+                return False
+            return any(value_key(e) in keys for e in value.array_value.values)
+
+        return contains_any
+    if operand.WhichOneof("value_type") is None:
+        raise invalid(f"Filter on {text!r} has no value.")
+    target = value_key(operand)
+    if op == _EQ:
+        return lambda doc: key_of(doc) == target
+    if op == _NE:
+        return lambda doc: (k := key_of(doc)) is not None and k != target
+    if op == _ARRAY_CONTAINS:
+
+        def contains(doc: Any) -> bool:
+            value = None if is_name else get_field(doc.fields, path)
+            if value is None or value.WhichOneof("value_type") != "array_value":
+                return False
+            return any(value_key(e) == target for e in value.array_value.values)
+
+        return contains
+    compare: dict[int, Callable[[Key], bool]] = {
+        _LT: lambda k: k < target,
+        _LE: lambda k: k <= target,
+        _GT: lambda k: k > target,
+        _GE: lambda k: k >= target,
+    }
+    if op not in compare:
+        raise invalid(f"Filter on {text!r} has no valid operator.")
+    test = compare[op]
+    rank = type_rank(operand)
+    return lambda doc: (k := key_of(doc)) is not None and k[0] == rank and test(k)
+
+
+def _compare(keys: list[Key], cursor: list[Key], descending: list[bool]) -> int:
+    for a, b, desc in zip(keys, cursor, descending, strict=False):
+        if a != b:
+            result = -1 if a < b else 1
+            return -result if desc else result
+    return 0
+
+
+def _within_cursors(query: CompiledQuery, keys: list[Key]) -> bool:
+    if query.start is not None:
+        c = _compare(keys, query.start.keys, query.descending)
+        if c < 0 or (c == 0 and not query.start.before):
+            return False
+    if query.end is not None:
+        c = _compare(keys, query.end.keys, query.descending)
+        if c > 0 or (c == 0 and query.end.before):
+            return False
+    return True
+
+
+def execute(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> list[Record]:
+    """The records the query returns, in order (offset and limit applied)."""
+    wanted = None if query.limit is None else query.offset + query.limit
+    if wanted == 0:
+        return []
+    if len(query.orders) == 1 and not query.all_descendants and read_us is None:
+        picked = list(_by_name(store, query, wanted))
+    else:
+        picked = _scan_and_sort(store, query, read_us)
+    picked = picked[query.offset :]
+    return picked if query.limit is None else picked[: query.limit]
+
+
+def _by_name(store: DocumentStore, query: CompiledQuery, wanted: int | None) -> Iterator[Record]:
+    collection_path = f"{query.parent}/{query.collection_id}"
+    collection = store.collections.get(collection_path)
+    if collection is None:
+        return
+    descending = query.descending[0]
+    start_id = None
+    if query.start is not None and query.start.keys:
+        segments = query.start.keys[0][1]
+        if "/".join(segments[:-1]) == collection_path:
+            start_id = segments[-1]
+    count = 0
+    predicate = query.predicate
+    for doc_id in collection.iter_ids(start_id, descending):
+        record = collection.docs[doc_id]
+        doc = record.doc
+        if predicate is not None and not predicate(doc):
+            continue
+        keys = [name_key(doc.name)]
+        if not _within_cursors(query, keys):
+            if query.end is not None and _compare(keys, query.end.keys, query.descending) >= 0:
+                return
+            continue
+        yield record
+        count += 1
+        if wanted is not None and count >= wanted:
+            return
+
+
+def _candidates(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> Iterator[Record]:
+    for path in query.collections(store, read_us):
+        if read_us is None:
+            collection = store.collections.get(path)
+            if collection is not None:
+                yield from collection.docs.values()
+            continue
+        for name in store.names_in(path, read_us):
+            record = store.get_at(name, read_us)
+            if record is not None:
+                yield record
+
+
+def _scan_and_sort(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> list[Record]:
+    predicate = query.predicate
+    paths = [p for p, _ in query.orders]
+    rows: list[tuple[list[Key], Record]] = []
+    for record in _candidates(store, query, read_us):
+        doc = record.doc
+        if predicate is not None and not predicate(doc):
+            continue
+        keys = []
+        for path in paths:
+            key = _field_value_key(doc, path)
+            if key is None:
+                break
+            keys.append(key)
+        else:
+            if _within_cursors(query, keys):
+                rows.append((keys, record))
+    # Stable sorts from the last ordering to the first give a multi-key sort with mixed directions.
+    for index in range(len(paths) - 1, -1, -1):
+        rows.sort(key=lambda row, i=index: row[0][i], reverse=query.descending[index])
+    return [record for _, record in rows]
