@@ -1,0 +1,238 @@
+"""Firestore document layout of the store: ids, fields, sizes, chunks. Pure: no I/O, no Google imports.
+
+``sidecar.store`` turns the plain Python values built here (str, int, bytes, bool, list of str,
+datetime) into Firestore writes, and hands back what it read as plain dicts to decode here.
+
+Rules:
+
+- Document ids are hashes, never raw keys: ids cannot contain ``/``, are capped at 1,500 bytes,
+  and sequential ids hotspot. ``message_doc_id`` is sha256 of ``(key, sequence)`` in sequence mode
+  (so two publishes of one key and sequence meet at one document, and a different payload there is
+  a conflict), otherwise of the dedup id. Each part is length-prefixed so that no two different
+  inputs hash the same text.
+- Attributes are stored as a flat array ``[name1, value1, name2, value2, ...]``, not as a map:
+  attribute names then never meet Firestore's field-name rules (``__x__`` is reserved there).
+- A message whose document would exceed ``INLINE_LIMIT_BYTES`` keeps its data in ``CHUNK_BYTES``
+  pieces in the ``chunks`` subcollection of its document (ids ``000``, ``001``, ...); the main
+  document records how many. Pub/Sub's 10 MB message then needs 10 chunk documents plus the main
+  one, about 10.1 MB in one Commit: under the 10 MiB request limit.
+- Document sizes follow Firestore's storage-size formula (name + 32 + per field name + value).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any
+
+from sidecar.engine.types import Message, Payload
+from sidecar.store_api import IncomingMessage
+
+PENDING = "pending"
+ACKED = "acked"
+DEAD_LETTERED = "dead_lettered"
+DROPPED = "dropped"
+DONE_STATES = frozenset({ACKED, DEAD_LETTERED, DROPPED})
+
+MAX_DOCUMENT_BYTES = 1_048_576
+"""Firestore's per-document limit (storage size, field names included)."""
+
+INLINE_LIMIT_BYTES = 1_000_000
+"""Above this estimated size the data moves to chunk documents: leaves ~48 KiB for the name and
+for rounding, so a document we call inline is never refused for size."""
+
+CHUNK_BYTES = 1_000_000
+"""Data bytes per chunk document: 1 MB plus the chunk's tiny name and one field stays under 1 MiB."""
+
+MAX_CHUNKS = 11
+"""10 MiB of data at most (Pub/Sub caps a message at 10 MB): larger cannot fit one Commit."""
+
+MAX_REQUEST_BYTES = 9 * 1_048_576
+"""Budget for one BatchWrite/Commit request, under Firestore's 10 MiB with room for protobuf framing."""
+
+_ID_BYTES = 20
+"""160-bit hashes: collisions are out of reach, and ids stay short (40 hex characters)."""
+
+
+def _digest(*parts: bytes) -> str:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(f"{len(part)}:".encode())
+        hasher.update(part)
+    return hasher.hexdigest()[: _ID_BYTES * 2]
+
+
+def message_doc_id(key: str, dedup_id: str, sequence: int | None) -> str:
+    """The message document id: hash(key, seq) in sequence mode, hash(dedup id) otherwise."""
+    if sequence is not None:
+        return _digest(b"seq", key.encode(), str(sequence).encode())
+    return _digest(b"dedup", dedup_id.encode())
+
+
+def key_doc_id(key: str) -> str:
+    return _digest(b"key", key.encode())
+
+
+def chunk_doc_id(index: int) -> str:
+    return f"{index:03d}"
+
+
+def ref_for(doc_id: str, chunks: int) -> str:
+    """``Payload.ref``: the document id, plus ``+N`` when the data lives in N chunk documents."""
+    return f"{doc_id}+{chunks}" if chunks else doc_id
+
+
+def parse_ref(ref: str) -> tuple[str, int]:
+    doc_id, _, chunks = ref.partition("+")
+    return doc_id, int(chunks) if chunks else 0
+
+
+def doc_id_of(message: Message) -> tuple[str, int] | None:
+    """(document id, chunk count) of a message the store returned; None if it was never stored.
+
+    A CONFLICT result carries ``ref=""``: its document holds the other payload, and marking it
+    done would finish the wrong message.
+    """
+    if message.payload is None:
+        return message_doc_id(message.key, message.dedup_id, message.sequence), 0
+    if not message.payload.ref:
+        return None
+    return parse_ref(message.payload.ref)
+
+
+def split_data(data: bytes) -> list[bytes]:
+    return [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+
+
+def flat_attributes(attributes: dict[str, str]) -> list[str]:
+    flat: list[str] = []
+    for name in sorted(attributes):
+        flat += (name, attributes[name])
+    return flat
+
+
+def value_size(value: Any) -> int:
+    """Firestore's storage size of one value."""
+    if value is None or isinstance(value, bool):
+        return 1
+    if isinstance(value, int | float | datetime.datetime):
+        return 8
+    if isinstance(value, str):
+        return len(value.encode()) + 1
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, list):
+        return sum(value_size(item) for item in value)
+    raise TypeError(f"store_codec: no Firestore size for {type(value).__name__}")
+
+
+def document_size(relative_path: str, fields: dict[str, Any]) -> int:
+    """Storage size of a document at ``relative_path`` (below ``/documents/``) with ``fields``."""
+    name = len(relative_path.encode()) + 1 + 16
+    return name + 32 + sum(len(field.encode()) + 1 + value_size(value) for field, value in fields.items())
+
+
+def message_fields(incoming: IncomingMessage, token: str, now_ms: int, chunks: int) -> dict[str, Any]:
+    """A pending message document. ``data`` is inline unless ``chunks`` > 0.
+
+    ``w`` is the writer token of this create attempt: when a create's outcome was unknown (the RPC
+    failed after maybe applying), a later ALREADY_EXISTS is ours exactly when ``w`` matches.
+    Pending documents never carry ``expire_at``: TTL must never delete an undelivered message.
+    """
+    fields: dict[str, Any] = {
+        "key": incoming.key,
+        "dedup_id": incoming.dedup_id,
+        "message_id": incoming.message_id,
+        "fp": incoming.fingerprint,
+        "attrs": flat_attributes(incoming.attributes),
+        "okey": incoming.ordering_key,
+        "publish_ms": incoming.publish_time_ms,
+        "stored_ms": now_ms,
+        "state": PENDING,
+        "chunks": chunks,
+        "w": token,
+    }
+    if incoming.sequence is not None:
+        fields["seq"] = incoming.sequence
+    if incoming.timestamp_ms is not None:
+        fields["ts"] = incoming.timestamp_ms
+    if not chunks:
+        fields["data"] = incoming.data
+    return fields
+
+
+def message_from_incoming(incoming: IncomingMessage, now_ms: int, ref: str) -> Message:
+    return Message(
+        key=incoming.key,
+        dedup_id=incoming.dedup_id,
+        message_id=incoming.message_id,
+        fingerprint=incoming.fingerprint,
+        stored_at_ms=now_ms,
+        sequence=incoming.sequence,
+        timestamp_ms=incoming.timestamp_ms,
+        payload=Payload(
+            data=incoming.data,
+            attributes=dict(incoming.attributes),
+            publish_time_ms=incoming.publish_time_ms,
+            ordering_key=incoming.ordering_key,
+            ref=ref,
+        ),
+    )
+
+
+class CorruptDocument(ValueError):
+    """A stored document lacks a field the store always writes (edited by hand, or foreign)."""
+
+
+def message_from_fields(doc_id: str, fields: dict[str, Any], data: bytes | None = None) -> Message:
+    """Decode a pending message document; ``data`` overrides the inline data (reassembled chunks)."""
+    try:
+        flat = list(fields.get("attrs") or [])
+        attributes = dict(zip(flat[0::2], flat[1::2], strict=True))
+        chunks = int(fields.get("chunks") or 0)
+        return Message(
+            key=str(fields["key"]),
+            dedup_id=str(fields["dedup_id"]),
+            message_id=str(fields.get("message_id", "")),
+            fingerprint=bytes(fields.get("fp") or b""),
+            stored_at_ms=int(fields["stored_ms"]),
+            sequence=None if fields.get("seq") is None else int(fields["seq"]),
+            timestamp_ms=None if fields.get("ts") is None else int(fields["ts"]),
+            payload=Payload(
+                data=data if data is not None else bytes(fields.get("data") or b""),
+                attributes=attributes,
+                publish_time_ms=int(fields.get("publish_ms") or 0),
+                ordering_key=str(fields.get("okey") or ""),
+                ref=ref_for(doc_id, chunks),
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptDocument(f"message document {doc_id}: {exc!r}") from exc
+
+
+def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp((now_ms + ttl_ms) / 1000, tz=datetime.UTC)
+
+
+def tombstone_fields(state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None) -> dict[str, Any]:
+    """What a finished message keeps: identity fields stay; data and attributes go.
+
+    Written with a field mask that also names ``data``, ``attrs`` and ``chunks``, so those are
+    deleted. ``cursor_*`` is the key's cursor once this ack is durable (``AckIntent.cursor``):
+    recovery takes the maximum over recent tombstones, so a cursor document that lagged behind
+    (coalesced writes) loses nothing.
+    """
+    fields: dict[str, Any] = {
+        "state": state,
+        "done_ms": now_ms,
+        "expire_at": expire_at(now_ms, ttl_ms),
+    }
+    if isinstance(cursor, int):
+        fields["cursor_seq"] = cursor
+    elif isinstance(cursor, tuple):
+        fields["cursor_ts"], fields["cursor_id"] = cursor
+    return fields
+
+
+TOMBSTONE_MASK = ("state", "done_ms", "expire_at", "cursor_seq", "cursor_ts", "cursor_id", "data", "attrs", "chunks")
+"""Field mask of a tombstone write: names absent from the fields are deleted."""
