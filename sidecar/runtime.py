@@ -170,6 +170,11 @@ class SubscriptionRuntime:
         return f"subscription {self.name!r} is ready"
 
     @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The background work started by ``start()``: it ends only by ``stop()`` or a failure."""
+        return self._task
+
+    @property
     def is_ready(self) -> bool:
         """Recovered, running and not stopping: streams may be served."""
         return self._engine is not None and not self._stopping and self.failure is None

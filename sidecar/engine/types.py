@@ -64,6 +64,9 @@ class EngineConfig:
     backoff_initial_ms: int = 1_000
     backoff_maximum_ms: int = 600_000
     on_dead_letter: DeadLetterPolicy = "block"
+    dedup_memory_max_entries: int = 200_000
+    """none/watermark modes: at most this many recently seen dedup ids kept in memory (~250 bytes
+    each); Firestore stays the authority for the full ``dedup_ttl_ms``."""
 
 
 # ---- decisions -------------------------------------------------------------------------------
@@ -184,6 +187,9 @@ class KeyCursor:
     next_sequence: int | None = None
     last_position: tuple[int, str] | None = None
     blocked: bool = False
+    acked_above: tuple[int, ...] = ()
+    """sequence mode with ``max_in_flight_per_key > 1``: sequences above ``next_sequence`` already
+    acked durably (an app may ack N+1 before N). Without them a restart would wait for N+1 forever."""
 
 
 @dataclass(frozen=True, slots=True)

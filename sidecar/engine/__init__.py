@@ -1,0 +1,48 @@
+"""The pure ordering engine (DESIGN §4): see ``core`` for the rules and invariants."""
+
+from sidecar.engine.core import Engine, UnknownDelivery
+from sidecar.engine.types import (
+    AckIntent,
+    Action,
+    DeadLetter,
+    DeadLetterPolicy,
+    Deliver,
+    DropDuplicate,
+    EngineConfig,
+    EngineSnapshot,
+    EngineStatus,
+    GapPolicy,
+    Hold,
+    KeyCursor,
+    KeyState,
+    KeyStatus,
+    LatePolicy,
+    Message,
+    Mode,
+    Payload,
+    SkippedRange,
+)
+
+__all__ = [
+    "AckIntent",
+    "Action",
+    "DeadLetter",
+    "DeadLetterPolicy",
+    "Deliver",
+    "DropDuplicate",
+    "Engine",
+    "EngineConfig",
+    "EngineSnapshot",
+    "EngineStatus",
+    "GapPolicy",
+    "Hold",
+    "KeyCursor",
+    "KeyState",
+    "KeyStatus",
+    "LatePolicy",
+    "Message",
+    "Mode",
+    "Payload",
+    "SkippedRange",
+    "UnknownDelivery",
+]

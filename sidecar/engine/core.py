@@ -1,0 +1,844 @@
+"""The ordering engine: events in, decisions out. Pure: no I/O, no clock, no asyncio, no randomness.
+
+Time is the ``now_ms`` argument of every call, randomness the injected ``jitter``, delivery ids
+``id_prefix`` plus a counter. The I/O layers execute the returned decisions and report back
+(``ack_durable``, ``dead_letter_done``). Delivery is pulled: ``take`` hands out what is ready.
+
+Invariants kept for every key (G2/G3/G5, checked by the property tests in tests/engine):
+
+1. Order. Messages of one key are handed out in position order (sequence, or
+   ``(timestamp_ms, dedup_id)``), at most ``max_in_flight_per_key`` at a time, and never past a
+   gap, the watermark, a backoff or a dead letter in progress. Late messages are the one exception
+   and are flagged ``late``.
+2. After a nack or an expiry the nacked message and every later one of its key still in flight go
+   back and are handed out again in order; acks already given (``ACKING``) are never undone.
+3. An acked message is never handed out again: it keeps its slot while acking, is not returned by
+   expiry or a consumer close, and the cursor passes it once durable.
+4. Nothing is lost: every message given to ``on_stored`` is either dropped as a duplicate (returned
+   DropDuplicate), dead-lettered (returned DeadLetter), or held by the engine until acked durably or
+   dead-lettered, and visible in ``status`` and ``export`` until then.
+5. Bounded retries: after a nack or expiry of delivery attempt ``max_delivery_attempts`` (or a nack
+   asking for it) the message is dead-lettered; the key then waits for ``dead_letter_done`` and
+   follows ``on_dead_letter``. Consumer closes give messages back without counting as failures,
+   but the next ``attempt`` number still counts every earlier delivery.
+
+Backoff after the n-th failed delivery of a message (``retry_after_ms`` from the nack wins)::
+
+    delay_ms = int(min(backoff_maximum_ms, backoff_initial_ms * 2 ** (n - 1)) * (0.5 + jitter()))
+
+In sequence and watermark mode the whole key waits out the delay (its order depends on the nacked
+message); in none mode only that message does.
+
+Cost: O(log b) per message and event (b = the key's backlog), timers in one heap; ``status`` with
+``max_keys=0`` is O(1), the per-key list costs one pass over the keys (for the status RPC only).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+
+from sidecar.engine import timers as _timers
+from sidecar.engine.dedup import DedupMemory
+from sidecar.engine.sequence import SequencePolicy
+from sidecar.engine.state import ACKING, BACKOFF, BLOCKED, DEAD, DONE, HELD, OUT, Entry, KeyState
+from sidecar.engine.types import (
+    AckIntent,
+    Action,
+    DeadLetter,
+    Deliver,
+    DropDuplicate,
+    EngineConfig,
+    EngineSnapshot,
+    EngineStatus,
+    Hold,
+    KeyStatus,
+    Message,
+)
+from sidecar.engine.types import (
+    KeyState as KeyStateName,
+)
+from sidecar.engine.unordered import UnorderedPolicy
+from sidecar.engine.watermark import WatermarkPolicy
+
+_COUNT_NAMES = (
+    "stored",
+    "recovered",
+    "delivered",
+    "acked",
+    "nacked",
+    "expired",
+    "returned",
+    "duplicates",
+    "dead_lettered",
+    "late",
+    "skipped",
+    "gap_timeouts",
+)
+"""Cumulative counters in ``EngineStatus.counts`` (plus ``dead_lettered:<reason>``)."""
+
+REASON_CONFLICT = "conflict"
+REASON_LATE = "late"
+REASON_MAX_ATTEMPTS = "max_delivery_attempts"
+REASON_APP = "app_dead_letter"
+"""Dead-letter reasons: the app's nack asked for it (``dead_letter=True``)."""
+
+_MAX_BACKOFF_EXPONENT = 62
+"""2**62 ms is far beyond any maximum: caps the exponent so a huge attempt count stays cheap."""
+
+_ARRIVALS_COMPACT_MIN = 1024
+"""The arrival queue is rebuilt without delivered entries once it is twice the undelivered count
+plus this: a message held for long must not pin every finished message queued behind it."""
+
+
+class UnknownDelivery(KeyError):
+    """An ack or nack of a delivery id that is not in flight for that consumer."""
+
+
+class Engine:
+    """One subscription's ordering and delivery state. Not thread-safe: one caller at a time."""
+
+    def __init__(
+        self, config: EngineConfig, *, jitter: Callable[[], float] = lambda: 0.5, id_prefix: str = ""
+    ) -> None:
+        _validate(config)
+        self._config = config
+        self._mode = config.mode
+        self._jitter = jitter
+        self._id_prefix = id_prefix
+        self._next_id = 0
+        self._n = 0  # arrival number
+        self._max_in_flight = config.max_in_flight_per_key
+        self._ack_deadline_ms = config.ack_deadline_ms
+        self._counts: dict[str, int] = dict.fromkeys(_COUNT_NAMES, 0)
+        # The three counters touched once per message live in attributes (cheaper than a dict).
+        self._stored = 0
+        self._delivered = 0
+        self._acked = 0
+        self._keys: dict[str, KeyState] = {}
+        self._deliveries: dict[str, Entry] = {}  # OUT and ACKING, by delivery id
+        self._consumers: dict[str, dict[str, Entry]] = {}  # OUT only, per consumer
+        self._ready: deque[KeyState] = deque()  # keys nobody has in flight
+        self._owned: dict[str, deque[KeyState]] = {}  # keys with messages in flight on that consumer
+        self._timers = _timers.TimerHeap()
+        self._outside: dict[Message, tuple[int, int]] = {}  # dead letters outside any key order: count, n
+        self._deferred: list[Action] = []
+        self._deferred_due_ms: int | None = None
+        self._arrivals: deque[Entry] = deque()
+        self._n_undelivered = 0
+        self._n_pending = 0
+        self._n_ready = 0
+        self._n_out = 0
+        self._n_waiting_keys = 0
+        self._memory: DedupMemory | None = None
+        self._seq: SequencePolicy | None = None
+        self._wm: WatermarkPolicy | None = None
+        self._none: UnorderedPolicy | None = None
+        if config.mode == "sequence":
+            self._seq = SequencePolicy(config)
+            self._policy: SequencePolicy | WatermarkPolicy = self._seq
+        else:
+            self._memory = DedupMemory(config.dedup_ttl_ms, config.dedup_memory_max_entries)
+            if config.mode == "watermark":
+                self._wm = WatermarkPolicy(config, self._memory)
+                self._policy = self._wm
+            else:
+                self._none = UnorderedPolicy(self._memory)
+        self._gap_timeout_ms = config.gap_timeout_ms if config.mode == "sequence" else None
+
+    # ---- recovery ---------------------------------------------------------------------------
+
+    @classmethod
+    def restore(
+        cls,
+        config: EngineConfig,
+        snapshot: EngineSnapshot,
+        now_ms: int,
+        *,
+        jitter: Callable[[], float] = lambda: 0.5,
+        id_prefix: str = "",
+    ) -> Engine:
+        """Rebuild from the store's cursors and pending messages.
+
+        Pending messages are replayed through ``on_stored`` in ``stored_at_ms`` order. What that
+        replay decides besides holding (a duplicate below the cursor, a late or conflicting message
+        that was not yet dead-lettered) is returned by the first ``tick``: ``next_timer_ms`` is
+        ``now_ms`` until then.
+        """
+        engine = cls(config, jitter=jitter, id_prefix=id_prefix)
+        seen: set[str] = set()
+        for cursor in snapshot.cursors:
+            if cursor.key in seen:
+                raise ValueError(f"snapshot has two cursors for key {cursor.key!r}")
+            seen.add(cursor.key)
+            if engine._none is not None:
+                continue  # none mode keeps no cursors
+            engine._policy.restore_cursor(engine._key(cursor.key), cursor)
+        if snapshot.watermark_ms is not None and engine._wm is not None:
+            engine._wm.watermark_ms = snapshot.watermark_ms
+        for message in sorted(snapshot.pending, key=_stored_at):
+            for action in engine.on_stored(message, now_ms):
+                if not isinstance(action, Hold):
+                    engine._deferred.append(action)
+        for key in engine._keys.values():
+            engine._refresh(key, now_ms)
+        engine._counts["recovered"] = engine._stored
+        engine._stored = 0
+        if engine._deferred:
+            engine._deferred_due_ms = now_ms
+        return engine
+
+    def export(self) -> EngineSnapshot:
+        """Cursors plus every message not yet acked durably or dead-lettered, in arrival order.
+
+        In-flight and acking messages are pending: after a restart they are delivered again.
+        """
+        cursors = []
+        pending: list[tuple[int, Message]] = []
+        if self._none is None:
+            policy = self._policy
+            for key in self._keys.values():
+                cursor = policy.export_cursor(key)
+                if cursor is not None:
+                    cursors.append(cursor)
+        entries: Iterable[Entry]
+        if self._seq is not None:
+            entries = (entry for key in self._keys.values() for entry in key.index.values())
+        else:
+            entries = (self._wm or self._none).by_id.values()  # type: ignore[union-attr]
+        for entry in entries:
+            if entry.state not in (DONE, BLOCKED):
+                pending.append((entry.n, entry.message))
+        for message, (_count, n) in self._outside.items():
+            pending.append((n, message))
+        pending.sort(key=_first)
+        return EngineSnapshot(
+            cursors=tuple(cursors),
+            pending=tuple(message for _, message in pending),
+            watermark_ms=self._wm.watermark_ms if self._wm is not None else None,
+        )
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def on_stored(self, message: Message, now_ms: int) -> list[Action]:
+        """A durably stored message arrives. Returns DropDuplicate, DeadLetter ("conflict" or
+        "late"), Hold with its reason, or [] when it is ready (delivery is pulled with ``take``)."""
+        self._n += 1
+        self._stored += 1
+        key = None
+        if self._none is not None:
+            action, entry = self._none.arrive(message, self._n, now_ms)
+        else:
+            key = self._keys.get(message.key)
+            if key is None:
+                if type(message.key) is not str:
+                    raise ValueError(f"message {message.dedup_id!r}: key must be a str, got {message.key!r}")
+                key = self._key(message.key)
+            if self._seq is not None:
+                action, entry = self._seq.arrive(key, message, self._n)
+            else:
+                action, entry = self._wm.arrive(key, message, self._n, now_ms)  # type: ignore[union-attr]
+        if entry is not None:
+            self._n_pending += 1
+            self._n_undelivered += 1
+            self._arrivals.append(entry)
+            if entry.late:
+                self._counts["late"] += 1
+        if action is not None:
+            counts = self._counts
+            kind = type(action)
+            if kind is DropDuplicate:
+                counts["duplicates"] += 1
+            elif kind is DeadLetter:
+                self._count_dead_letter(action.reason)  # type: ignore[union-attr]
+                if action.reason == REASON_LATE:  # type: ignore[union-attr]
+                    counts["late"] += 1
+                held = self._outside.get(message)
+                self._outside[message] = (1, self._n) if held is None else (held[0] + 1, held[1])
+        if key is not None:
+            self._refresh(key, now_ms)
+        return [] if action is None else [action]
+
+    def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
+        """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within
+        ``max_in_flight_per_key``, round-robin over ready keys, never a key another consumer has
+        messages in flight (or acking) on."""
+        if not consumer or type(consumer) is not str:
+            raise ValueError(f"consumer must be a non-empty str, got {consumer!r}")
+        result: list[Deliver] = []
+        if max_messages <= 0:
+            return result
+        if self._none is not None:
+            ready = self._none.ready
+            while ready and len(result) < max_messages:
+                result.append(self._hand_out(None, ready.popleft(), consumer, now_ms))
+            return result
+        shared = self._ready
+        owned = self._owned
+        policy = self._policy
+        max_in_flight = self._max_in_flight
+        mine_turn = True
+        while len(result) < max_messages:
+            mine = owned.get(consumer)
+            if mine and (mine_turn or not shared):
+                key = mine.popleft()
+                queue_name = consumer
+            elif shared:
+                key = shared.popleft()
+                queue_name = ""
+            else:
+                break
+            mine_turn = not mine_turn
+            if key.queued != queue_name:
+                continue  # stale: the key was queued again elsewhere
+            key.queued = None
+            if (
+                key.n_ready <= 0
+                or key.n_out >= max_in_flight
+                or key.backoff_until is not None
+                or key.blocked
+                or key.dead_lettering
+            ):
+                continue
+            if key.consumer is not None and key.consumer != consumer:
+                self._enqueue(key, key.consumer)
+                continue
+            result.append(self._hand_out(key, policy.pop_head(key), consumer, now_ms))
+            self._refresh(key, now_ms)
+        return result
+
+    def has_ready(self) -> bool:
+        """True if some consumer could ``take`` a message now."""
+        if self._none is not None:
+            return bool(self._none.ready)
+        for name, queue in ((None, self._ready), *self._owned.items()):
+            queue_name = name or ""
+            while queue:
+                key = queue[0]
+                if key.queued == queue_name and self._is_releasable(key):
+                    return True
+                queue.popleft()
+                if key.queued == queue_name:
+                    key.queued = None
+        return False
+
+    def ack(self, consumer: str, delivery_id: str, now_ms: int) -> AckIntent:
+        """The app acked: the message is now acking (keeps its slot, never redelivered) until
+        ``ack_durable``. Raises UnknownDelivery if the id is not in flight for ``consumer``."""
+        entry = self._deliveries.get(delivery_id)
+        if entry is None or entry.state != OUT or entry.consumer != consumer:
+            raise UnknownDelivery(f"delivery {delivery_id!r} is not in flight for consumer {consumer!r}")
+        entry.state = ACKING
+        del self._consumers[consumer][delivery_id]
+        self._timers.mark_stale()
+        key = entry.key
+        cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
+        return AckIntent(delivery_id, entry.message, cursor)
+
+    def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
+        """The store made these acks durable: cursors advance, slots free up. Ids that are not
+        acking (unknown, or already durable) are ignored, so a repeated call is harmless."""
+        deliveries = self._deliveries
+        for delivery_id in delivery_ids:
+            entry = deliveries.get(delivery_id)
+            if entry is None or entry.state != ACKING:
+                continue
+            del deliveries[delivery_id]
+            self._acked += 1
+            self._finish(entry, now_ms, occupied=True)
+        return []
+
+    def nack(
+        self,
+        consumer: str,
+        delivery_id: str,
+        now_ms: int,
+        *,
+        retry_after_ms: int | None = None,
+        dead_letter: bool = False,
+    ) -> list[Action]:
+        """The app nacked: redeliver after ``retry_after_ms`` or the backoff, with everything after
+        it on the key in order; DeadLetter if asked or the attempts are exhausted."""
+        entry = self._deliveries.get(delivery_id)
+        if entry is None or entry.state != OUT or entry.consumer != consumer:
+            raise UnknownDelivery(f"delivery {delivery_id!r} is not in flight for consumer {consumer!r}")
+        if retry_after_ms is not None and retry_after_ms < 0:
+            raise ValueError(f"retry_after_ms must be >= 0, got {retry_after_ms}")
+        self._counts["nacked"] += 1
+        return self._fail(entry, now_ms, retry_after_ms, dead_letter, from_timer=False)
+
+    def consumer_closed(self, consumer: str, now_ms: int) -> None:
+        """A stream ended: its in-flight (not acking) messages are ready again at once, in order,
+        without backoff. Acking ones stay acking."""
+        in_flight = self._consumers.pop(consumer, None)
+        stranded = self._owned.pop(consumer, None)
+        touched: dict[int, KeyState] = {}
+        if in_flight:
+            entries = sorted(in_flight.values(), key=_arrival)
+            self._counts["returned"] += len(entries)
+            if self._none is not None:
+                for entry in entries:
+                    self._end_delivery(entry, from_timer=False)
+                self._none.ready.extendleft(reversed(entries))
+            else:
+                by_key: dict[int, list[Entry]] = {}
+                for entry in entries:
+                    by_key.setdefault(id(entry.key), []).append(entry)
+                for group in by_key.values():
+                    key = group[0].key
+                    group.sort(key=_position)
+                    self._give_back(key, group)  # type: ignore[arg-type]
+                    touched[id(key)] = key  # type: ignore[assignment]
+        if stranded:
+            for key in stranded:
+                if key.queued == consumer:
+                    key.queued = None
+                    touched[id(key)] = key
+        for key in touched.values():
+            self._refresh(key, now_ms)
+
+    def dead_letter_done(self, message: Message, now_ms: int) -> list[Action]:
+        """The dead letter of ``message`` is published and recorded: apply ``on_dead_letter``
+        (block the key, or skip past the message). Conflicts and late messages, which never were
+        in the key's order, are just forgotten. A message not being dead-lettered is ignored."""
+        outside = self._outside.get(message)
+        if outside is not None:
+            count, n = outside
+            if count > 1:
+                self._outside[message] = (count - 1, n)
+            else:
+                del self._outside[message]
+            return []
+        entry = self._find(message)
+        if entry is None or entry.state != DEAD or entry.message != message:
+            return []
+        key = entry.key
+        if key is None or entry.late:
+            self._finish(entry, now_ms, occupied=False)
+            return []
+        key.dead_lettering -= 1
+        if self._config.on_dead_letter == "skip":
+            self._finish(entry, now_ms, occupied=False)
+            return []
+        entry.state = BLOCKED
+        self._n_pending -= 1
+        key.blocked = True
+        key.blocked_since = now_ms
+        self._policy.on_blocked(key, entry)
+        self._refresh(key, now_ms)
+        return []
+
+    def advance_watermark(self, watermark_ms: int, now_ms: int) -> list[Action]:
+        """Release what the watermark passed. A watermark at or below the current one is ignored
+        (it never moves back); outside watermark mode this is a no-op."""
+        wm = self._wm
+        if wm is None or (wm.watermark_ms is not None and watermark_ms <= wm.watermark_ms):
+            return []
+        for key in wm.advance(int(watermark_ms)):
+            self._refresh(key, now_ms)
+        return []
+
+    def tick(self, now_ms: int) -> list[Action]:
+        """Run what is due: ack deadlines (a nack with backoff, counted as an attempt), backoff
+        ends, gap timeouts, dedup memory pruning, and decisions left over from ``restore``."""
+        actions: list[Action] = []
+        if self._deferred and self._deferred_due_ms is not None and self._deferred_due_ms <= now_ms:
+            actions.extend(self._deferred)
+            self._deferred.clear()
+            self._deferred_due_ms = None
+        heap = self._timers
+        while (timer := heap.pop_due(now_ms)) is not None:
+            _due, _, kind, subject, token = timer
+            if kind == _timers.DEADLINE:
+                entry: Entry = subject  # type: ignore[assignment]
+                if entry.state == OUT and entry.delivery_id == token:
+                    self._counts["expired"] += 1
+                    actions.extend(self._fail(entry, now_ms, None, False, from_timer=True))
+                else:
+                    heap.forget_stale()
+            elif kind == _timers.KEY_BACKOFF:
+                key: KeyState = subject  # type: ignore[assignment]
+                if key.backoff_until == token:
+                    key.backoff_until = key.backoff_since = None
+                    self._refresh(key, now_ms)
+            elif kind == _timers.ENTRY_BACKOFF:
+                entry = subject  # type: ignore[assignment]
+                if entry.state == BACKOFF and entry.deliveries == token:
+                    entry.state = HELD
+                    self._none.ready.append(entry)  # type: ignore[union-attr]
+            elif kind == _timers.GAP:
+                key = subject  # type: ignore[assignment]
+                if (key.gap_missing, key.gap_since) == token and self._seq.gap(key) == key.gap_missing:  # type: ignore[union-attr]
+                    self._on_gap_timeout(key, now_ms)
+        if self._memory is not None:
+            self._memory.prune(now_ms)
+        heap.maybe_compact(self._is_live)
+        return actions
+
+    def next_timer_ms(self) -> int | None:
+        """When ``tick`` next has something to do (None: nothing scheduled)."""
+        due = self._timers.peek_ms(self._is_live)
+        if self._deferred_due_ms is not None and (due is None or self._deferred_due_ms < due):
+            due = self._deferred_due_ms
+        if self._memory is not None:
+            prune = self._memory.next_prune_ms()
+            if prune is not None and (due is None or prune < due):
+                due = prune
+        return due
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status(self, now_ms: int, *, max_keys: int = 100) -> tuple[EngineStatus, list[KeyStatus]]:
+        """Counters in O(1); then at most ``max_keys`` keys, waiting ones first, oldest wait first."""
+        arrivals = self._arrivals
+        while arrivals and (arrivals[0].deliveries or arrivals[0].state in (DONE, BLOCKED)):
+            arrivals.popleft()
+        ready = len(self._none.ready) if self._none is not None else self._n_ready
+        status = EngineStatus(
+            mode=self._mode,
+            buffered=self._n_pending,
+            ready=ready,
+            in_flight=self._n_out,
+            keys=len(self._keys),
+            keys_blocked=self._n_waiting_keys,
+            oldest_undelivered_ms=arrivals[0].message.stored_at_ms if arrivals else None,
+            watermark_ms=self._wm.watermark_ms if self._wm is not None else None,
+            counts=self._all_counts(),
+        )
+        if max_keys <= 0 or self._none is not None:
+            return status, []
+        never = float("inf")
+        candidates = [
+            key for key in self._keys.values() if key.n_held or key.n_out or key.blocked or key.dead_lettering
+        ]
+        candidates.sort(key=lambda k: (not k.waiting, k.wait_since if k.wait_since is not None else never, k.name))
+        return status, [self._key_status(key) for key in candidates[:max_keys]]
+
+    def _all_counts(self) -> dict[str, int]:
+        counts = dict(self._counts)
+        counts["stored"] = self._stored
+        counts["delivered"] = self._delivered
+        counts["acked"] = self._acked
+        return counts
+
+    def _key_status(self, key: KeyState) -> KeyStatus:
+        state: KeyStateName
+        waiting_for = ""
+        since = key.wait_since
+        missing = None
+        if key.blocked:
+            state, waiting_for = "blocked_dead_letter", "an operator: the key stopped at a dead letter"
+            since = key.blocked_since
+        elif key.dead_lettering:
+            state, waiting_for = "blocked_dead_letter", "the dead-letter publish to finish"
+        elif key.backoff_until is not None:
+            state, waiting_for, since = "backoff", f"retry at {_iso(key.backoff_until)}", key.backoff_since
+        elif key.n_held and not key.n_ready:
+            if self._seq is not None:
+                state, waiting_for, missing = "waiting_sequence", self._seq.waiting_for(key), key.next_out
+            else:
+                head = self._wm.head_timestamp_ms(key)  # type: ignore[union-attr]
+                state = "waiting_watermark"
+                waiting_for = f"watermark to pass {_iso(head)}" if head is not None else "the watermark"
+        elif key.n_out and (not key.n_ready or key.n_out >= self._max_in_flight):
+            state, since = "in_flight", None
+        elif key.n_ready:
+            state, since = "ready", None
+        else:
+            state, since = "idle", None
+        return KeyStatus(
+            key=key.name,
+            state=state,
+            waiting_for=waiting_for,
+            since_ms=since,
+            buffered=key.n_held + key.n_out,
+            in_flight=key.n_out,
+            next_sequence=key.cursor if self._seq is not None else None,  # type: ignore[arg-type]
+            missing_sequence=missing,
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _key(self, name: str) -> KeyState:
+        key = self._keys.get(name)
+        if key is None:
+            key = self._keys[name] = KeyState(name)
+            self._policy.new_key(key)
+        return key
+
+    def _find(self, message: Message) -> Entry | None:
+        if self._seq is not None:
+            key = self._keys.get(message.key)
+            return None if key is None else key.index.get(message.sequence)
+        return (self._wm or self._none).find(message)  # type: ignore[union-attr]
+
+    def _is_releasable(self, key: KeyState) -> bool:
+        return (
+            key.n_ready > 0
+            and key.n_out < self._max_in_flight
+            and key.backoff_until is None
+            and not key.blocked
+            and not key.dead_lettering
+        )
+
+    def _enqueue(self, key: KeyState, queue_name: str) -> None:
+        key.queued = queue_name
+        if queue_name:
+            queue = self._owned.get(queue_name)
+            if queue is None:
+                queue = self._owned[queue_name] = deque()
+            queue.append(key)
+        else:
+            self._ready.append(key)
+
+    def _refresh(self, key: KeyState, now_ms: int) -> None:
+        """Bring the key's derived state up to date after any change to it: ready queues, global
+        ready count, waiting flag and since, gap timer."""
+        stopped = key.blocked or key.dead_lettering > 0
+        counted = 0 if stopped else key.n_ready
+        if counted != key.counted_ready:
+            self._n_ready += counted - key.counted_ready
+            key.counted_ready = counted
+        waiting = stopped or key.backoff_until is not None or (key.n_held > 0 and key.n_ready == 0)
+        if waiting != key.waiting:
+            key.waiting = waiting
+            self._n_waiting_keys += 1 if waiting else -1
+            key.wait_since = now_ms if waiting else None
+        if counted and key.backoff_until is None and key.n_out < self._max_in_flight:
+            target = key.consumer or ""
+            if key.queued != target:
+                self._enqueue(key, target)
+        if self._gap_timeout_ms is not None:
+            missing = None if stopped else self._seq.gap(key)  # type: ignore[union-attr]
+            if missing != key.gap_missing:
+                key.gap_missing = missing
+                if missing is None:
+                    key.gap_since = None
+                else:
+                    key.gap_since = now_ms
+                    self._timers.push(now_ms + self._gap_timeout_ms, _timers.GAP, key, (missing, now_ms))
+
+    def _hand_out(self, key: KeyState | None, entry: Entry, consumer: str, now_ms: int) -> Deliver:
+        self._next_id += 1
+        delivery_id = f"{self._id_prefix}{self._next_id}"
+        if not entry.deliveries:
+            self._n_undelivered -= 1
+        entry.deliveries += 1
+        entry.state = OUT
+        entry.delivery_id = delivery_id
+        entry.consumer = consumer
+        self._deliveries[delivery_id] = entry
+        mine = self._consumers.get(consumer)
+        if mine is None:
+            mine = self._consumers[consumer] = {}
+        mine[delivery_id] = entry
+        self._n_out += 1
+        if key is not None:
+            key.n_out += 1
+            key.consumer = consumer
+            if not entry.late:
+                out = key.out
+                if out and out[-1].pos > entry.pos:  # type: ignore[operator]
+                    # Only after a nack's rewind past an acking entry: keep ``out`` in order.
+                    i = len(out)
+                    while i and out[i - 1].pos > entry.pos:  # type: ignore[operator]
+                        i -= 1
+                    out.insert(i, entry)
+                else:
+                    out.append(entry)
+        self._timers.push(now_ms + self._ack_deadline_ms, _timers.DEADLINE, entry, delivery_id)
+        self._delivered += 1
+        skipped = entry.skipped
+        return Deliver(
+            delivery_id, consumer, entry.message, entry.deliveries, entry.late, tuple(skipped) if skipped else ()
+        )
+
+    def _end_delivery(self, entry: Entry, *, from_timer: bool) -> None:
+        """An OUT entry stops being in flight (returned or dead-lettered)."""
+        delivery_id = entry.delivery_id
+        del self._deliveries[delivery_id]
+        mine = self._consumers.get(entry.consumer)  # type: ignore[arg-type]
+        if mine is not None:
+            mine.pop(delivery_id, None)
+        if not from_timer:
+            self._timers.mark_stale()
+        self._n_out -= 1
+        entry.state = HELD
+        key = entry.key
+        if key is not None:
+            key.n_out -= 1
+            if not entry.late:
+                key.out.remove(entry)
+            if key.n_out == 0:
+                key.consumer = None
+
+    def _give_back(self, key: KeyState, entries: list[Entry], *, from_timer_entry: Entry | None = None) -> None:
+        for entry in entries:
+            self._end_delivery(entry, from_timer=entry is from_timer_entry)
+        self._policy.give_back(key, entries)
+
+    def _fail(
+        self, entry: Entry, now_ms: int, retry_after_ms: int | None, dead_letter: bool, *, from_timer: bool
+    ) -> list[Action]:
+        """A nack or expiry of an OUT entry."""
+        key = entry.key
+        exhausted = entry.deliveries >= self._config.max_delivery_attempts
+        if key is not None:
+            # The failed message and every later one of the key still in flight go back, in order.
+            group = [entry]
+            if not entry.late:
+                pos = entry.pos
+                group = [x for x in key.out if x.state == OUT and x.pos >= pos]  # type: ignore[operator]
+        if dead_letter or exhausted:
+            reason = REASON_APP if dead_letter else REASON_MAX_ATTEMPTS
+            self._end_delivery(entry, from_timer=from_timer)
+            entry.state = DEAD
+            if key is not None:
+                followers = [x for x in group if x is not entry]
+                if followers:
+                    self._give_back(key, followers)
+                if not entry.late:
+                    key.dead_lettering += 1
+                    # Keep the dead-lettering entry in ``out`` so the cursor cannot pass it.
+                    self._insert_out(key, entry)
+                self._refresh(key, now_ms)
+            self._count_dead_letter(reason)
+            return [DeadLetter(entry.message, reason, entry.deliveries)]
+        delay_ms = retry_after_ms if retry_after_ms is not None else self._backoff_ms(entry.deliveries)
+        if key is None:
+            self._end_delivery(entry, from_timer=from_timer)
+            if delay_ms <= 0:
+                self._none.ready.append(entry)  # type: ignore[union-attr]
+            else:
+                entry.state = BACKOFF
+                self._timers.push(now_ms + delay_ms, _timers.ENTRY_BACKOFF, entry, entry.deliveries)
+            return []
+        self._give_back(key, group, from_timer_entry=entry if from_timer else None)
+        if delay_ms > 0:
+            until = now_ms + delay_ms
+            if key.backoff_until is None or until > key.backoff_until:
+                key.backoff_until = until
+                key.backoff_since = now_ms
+                self._timers.push(until, _timers.KEY_BACKOFF, key, until)
+        self._refresh(key, now_ms)
+        return []
+
+    @staticmethod
+    def _insert_out(key: KeyState, entry: Entry) -> None:
+        out = key.out
+        i = len(out)
+        while i and out[i - 1].pos > entry.pos:  # type: ignore[operator]
+            i -= 1
+        out.insert(i, entry)
+
+    def _finish(self, entry: Entry, now_ms: int, *, occupied: bool) -> None:
+        """An entry is done for good: durably acked, or dead-lettered and not blocking."""
+        self._n_pending -= 1
+        if occupied:
+            self._n_out -= 1
+        key = entry.key
+        entry.state = DONE
+        if key is None:
+            self._none.forget(entry)  # type: ignore[union-attr]
+        else:
+            if occupied:
+                key.n_out -= 1
+            if entry.late:
+                self._policy.forget(key, entry)
+            else:
+                out = key.out
+                policy = self._policy
+                # The cursor passes a finished prefix of ``out``, but never a message a nack gave
+                # back that waits before it (it is not in ``out`` until handed out again).
+                while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
+                    policy.retire(key, out.pop(0))
+            if key.n_out == 0:
+                key.consumer = None
+            self._refresh(key, now_ms)
+        arrivals = self._arrivals
+        if len(arrivals) > 2 * self._n_undelivered + _ARRIVALS_COMPACT_MIN:
+            self._arrivals = deque(e for e in arrivals if not e.deliveries and e.state not in (DONE, BLOCKED))
+
+    def _on_gap_timeout(self, key: KeyState, now_ms: int) -> None:
+        self._counts["gap_timeouts"] += 1
+        if self._config.on_gap_timeout != "skip":
+            return  # hold: the key keeps waiting, visibly (status)
+        self._counts["skipped"] += self._seq.skip_gap(key)  # type: ignore[union-attr]
+        key.gap_missing = key.gap_since = None
+        self._refresh(key, now_ms)
+
+    def _backoff_ms(self, failures: int) -> int:
+        jitter = self._jitter()
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"jitter() must return a float in [0, 1), got {jitter!r}")
+        config = self._config
+        exponent = min(max(failures, 1) - 1, _MAX_BACKOFF_EXPONENT)
+        base = min(config.backoff_maximum_ms, config.backoff_initial_ms * 2**exponent)
+        return int(base * (0.5 + jitter))
+
+    def _count_dead_letter(self, reason: str) -> None:
+        counts = self._counts
+        counts["dead_lettered"] += 1
+        name = f"dead_lettered:{reason}"
+        counts[name] = counts.get(name, 0) + 1
+
+    def _is_live(self, timer: _timers.Timer) -> bool:
+        _due, _, kind, subject, token = timer
+        if kind == _timers.DEADLINE:
+            return subject.state == OUT and subject.delivery_id == token  # type: ignore[attr-defined]
+        if kind == _timers.KEY_BACKOFF:
+            return subject.backoff_until == token  # type: ignore[attr-defined]
+        if kind == _timers.ENTRY_BACKOFF:
+            return subject.state == BACKOFF and subject.deliveries == token  # type: ignore[attr-defined]
+        return (subject.gap_missing, subject.gap_since) == token  # type: ignore[attr-defined]
+
+
+def _validate(config: EngineConfig) -> None:
+    problems = []
+    if config.mode not in ("sequence", "watermark", "none"):
+        problems.append(f"mode must be sequence, watermark or none, got {config.mode!r}")
+    if config.on_gap_timeout not in ("hold", "skip"):
+        problems.append(f"on_gap_timeout must be hold or skip, got {config.on_gap_timeout!r}")
+    if config.on_late not in ("dead_letter", "deliver"):
+        problems.append(f"on_late must be dead_letter or deliver, got {config.on_late!r}")
+    if config.on_dead_letter not in ("block", "skip"):
+        problems.append(f"on_dead_letter must be block or skip, got {config.on_dead_letter!r}")
+    if config.max_in_flight_per_key < 1:
+        problems.append(f"max_in_flight_per_key must be >= 1, got {config.max_in_flight_per_key}")
+    if config.max_delivery_attempts < 1:
+        problems.append(f"max_delivery_attempts must be >= 1, got {config.max_delivery_attempts}")
+    if config.ack_deadline_ms <= 0:
+        problems.append(f"ack_deadline_ms must be > 0, got {config.ack_deadline_ms}")
+    if config.backoff_initial_ms < 0 or config.backoff_maximum_ms < config.backoff_initial_ms:
+        problems.append(
+            f"backoff must satisfy 0 <= initial <= maximum, got {config.backoff_initial_ms}/{config.backoff_maximum_ms}"
+        )
+    if config.gap_timeout_ms is not None and config.gap_timeout_ms < 0:
+        problems.append(f"gap_timeout_ms must be >= 0 or None, got {config.gap_timeout_ms}")
+    if config.dedup_ttl_ms < 0:
+        problems.append(f"dedup_ttl_ms must be >= 0, got {config.dedup_ttl_ms}")
+    if config.dedup_memory_max_entries < 0:
+        problems.append(f"dedup_memory_max_entries must be >= 0, got {config.dedup_memory_max_entries}")
+    if problems:
+        raise ValueError("invalid engine config: " + "; ".join(problems))
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _stored_at(message: Message) -> int:
+    return message.stored_at_ms
+
+
+def _first(item: tuple[int, Message]) -> int:
+    return item[0]
+
+
+def _arrival(entry: Entry) -> int:
+    return entry.n
+
+
+def _position(entry: Entry) -> object:
+    return entry.pos

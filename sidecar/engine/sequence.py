@@ -1,0 +1,256 @@
+"""sequence mode: per key, deliver N only after everything below N was acked, skipped or dead-lettered.
+
+Rules (DESIGN §4):
+
+- A key's cursor starts at ``sequence_start``. With ``first_sequence_any`` a key the engine has no
+  cursor for adopts the sequence of the first message that arrives for it. Sequences below the
+  adopted one that arrive later are treated as *late* (``on_late``), never dropped silently: with
+  shuffled input the first arrival is not necessarily the lowest, and the late rule makes that
+  visible. A store cursor, once written, wins over adoption.
+- ``seq`` below the next sequence to hand out: a duplicate (DropDuplicate) if this engine saw it
+  finish; late if a gap skip passed over it, or if it lies below what the engine knows of the key
+  (the cursor it was restored with, or the adopted first sequence). Such a message got past the
+  store's create-if-absent dedup, so it was never stored before: it cannot be a redelivery of
+  something acked, and dropping it would lose it (G1). ``seq`` equal to a sequence the
+  key still holds: the same fingerprint is a duplicate, another fingerprint a conflict
+  (DeadLetter "conflict"; the original stays).
+- Stored sequences form a *run* from ``next_out``: the run is releasable in order; anything beyond
+  it is held with the reason "missing sequence N" where N is the first missing one.
+- A gap timeout with ``skip`` moves ``next_out`` to the lowest held sequence; that message carries
+  the skipped range. The cursor written to the store moves only when it is acked.
+
+Complexity: arrival O(log b) (heap push, b = the key's backlog), hand-out O(log b); extending the
+run after a gap fills walks each message once.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from sidecar.engine.state import DONE, HELD, Entry, KeyState
+from sidecar.engine.types import (
+    Action,
+    DeadLetter,
+    DropDuplicate,
+    EngineConfig,
+    Hold,
+    KeyCursor,
+    Message,
+    SkippedRange,
+)
+
+_MAX_SKIPPED_RANGES_PER_KEY = 64
+"""Skipped ranges remembered per key to recognise late arrivals; the oldest are forgotten first
+(a message from a forgotten range is then dropped as below the cursor, counted as a duplicate)."""
+
+
+class SequencePolicy:
+    __slots__ = ("_deliver_late", "_first_any", "_start")
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._start = config.sequence_start
+        self._first_any = config.first_sequence_any
+        self._deliver_late = config.on_late == "deliver"
+
+    def new_key(self, key: KeyState) -> None:
+        if self._first_any:
+            key.cursor = None
+        else:
+            key.cursor = key.next_out = key.run_end = key.known_from = self._start
+
+    def restore_cursor(self, key: KeyState, cursor: KeyCursor) -> None:
+        if cursor.last_position is not None:
+            raise ValueError(f"key {cursor.key!r}: a watermark cursor (last_position) in a sequence-mode snapshot")
+        if cursor.next_sequence is not None:
+            key.cursor = key.next_out = key.run_end = key.known_from = int(cursor.next_sequence)
+        key.blocked = cursor.blocked
+        for seq in sorted(cursor.acked_above):
+            if key.cursor is None or seq < key.cursor:  # type: ignore[operator]
+                continue
+            # A finished placeholder: the run walks over it and the cursor passes it in turn.
+            placeholder = Entry(Message(key.name, "", "", b"", 0, sequence=seq), key, seq, 0)
+            placeholder.state = DONE
+            key.index[seq] = placeholder
+            key.out.append(placeholder)
+
+    def export_cursor(self, key: KeyState) -> KeyCursor | None:
+        if key.cursor is None and not key.blocked:
+            return None
+        acked_above = tuple(entry.pos for entry in key.out if entry.state == DONE and not entry.late)
+        return KeyCursor(
+            key=key.name,
+            next_sequence=key.cursor,  # type: ignore[arg-type]
+            blocked=key.blocked,
+            acked_above=acked_above,  # type: ignore[arg-type]
+        )
+
+    def arrive(self, key: KeyState, message: Message, n: int) -> tuple[Action | None, Entry | None]:
+        seq = message.sequence
+        if type(seq) is not int:
+            raise ValueError(
+                f"sequence mode: message {message.dedup_id!r} of key {message.key!r} has no integer sequence ({seq!r})"
+            )
+        index = key.index
+        held = index.get(seq)
+        if held is not None:
+            if held.message.fingerprint == message.fingerprint or held.n == 0:  # 0: restored placeholder
+                return DropDuplicate(message, "duplicate of a message the engine holds"), None
+            return DeadLetter(message, "conflict", 0), None
+        if key.cursor is None:
+            key.cursor = key.next_out = key.run_end = key.known_from = seq
+        if seq < key.next_out:
+            if seq >= key.known_from and not _take_from_skipped(key.skipped, seq):
+                return DropDuplicate(message, "below the key's cursor (already acked or dead-lettered)"), None
+            if not self._deliver_late:
+                return DeadLetter(message, "late", 0), None
+            entry = Entry(message, key, seq, n)
+            entry.late = True
+            index[seq] = entry
+            key.late.append(entry)
+            key.n_held += 1
+            key.n_ready += 1
+            return None, entry
+        entry = Entry(message, key, seq, n)
+        index[seq] = entry
+        heapq.heappush(key.heap, seq)
+        key.n_held += 1
+        run_end = key.run_end
+        if seq == run_end:
+            # Usual case: the run grows by one; walk on only if later sequences were waiting.
+            if (seq + 1) in index:
+                _extend_run(key)
+            else:
+                key.run_end = seq + 1
+                key.n_ready += 1
+        elif seq > run_end:
+            return Hold(message, f"missing sequence {run_end}"), entry
+        if key.blocked:
+            return Hold(message, f"key blocked by a dead letter at sequence {key.cursor}"), entry
+        return None, entry
+
+    def pop_head(self, key: KeyState) -> Entry:
+        """The next releasable entry (precondition: ``key.n_ready > 0``)."""
+        key.n_held -= 1
+        key.n_ready -= 1
+        if key.late:
+            return key.late.popleft()
+        seq = heapq.heappop(key.heap)
+        index = key.index
+        entry = index[seq]
+        following = seq + 1
+        run_end = key.run_end
+        # Entries still acking after a nack's rewind sit inside the run: hand out around them.
+        while following < run_end and index[following].state != HELD:
+            following += 1
+        key.next_out = following
+        return entry
+
+    def give_back(self, key: KeyState, entries: list[Entry]) -> None:
+        """Entries (already HELD again, in position order) return to the key's backlog."""
+        rewind = None
+        for entry in entries:
+            key.n_held += 1
+            if entry.late:
+                key.late.appendleft(entry)
+                key.n_ready += 1
+            else:
+                heapq.heappush(key.heap, entry.pos)  # type: ignore[arg-type]
+                if rewind is None or entry.pos < rewind:  # type: ignore[operator]
+                    rewind = entry.pos
+        if rewind is not None and rewind < key.next_out:  # type: ignore[operator]
+            key.next_out = key.run_end = rewind  # type: ignore[assignment]
+            key.n_ready = len(key.late)
+            _extend_run(key)
+
+    def retire(self, key: KeyState, entry: Entry) -> None:
+        """An in-order entry left the head of ``out`` finished: the cursor passes it."""
+        key.cursor = entry.pos + 1  # type: ignore[operator]
+        del key.index[entry.pos]
+
+    def forget(self, key: KeyState, entry: Entry) -> None:
+        """A late entry is finished (acked or dead-lettered); it never moved the cursor."""
+        del key.index[entry.pos]
+
+    def on_blocked(self, key: KeyState, entry: Entry) -> None:
+        """Kept in the index: a redelivery of the blocking message stays a duplicate."""
+
+    def held_below(self, key: KeyState, pos: object) -> bool:
+        """A message given back by a nack waits before ``pos``: the cursor must not pass it."""
+        heap = key.heap
+        return bool(heap) and heap[0] < pos  # type: ignore[operator]
+
+    def cursor_if_acked(self, key: KeyState, entry: Entry) -> int | None:
+        cursor = key.cursor
+        if entry.late:
+            return cursor  # type: ignore[return-value]
+        for handed in key.out:
+            if self.held_below(key, handed.pos):
+                break
+            if handed is entry or handed.state in _FINISHING:
+                cursor = handed.pos + 1  # type: ignore[operator]
+            else:
+                break
+        return cursor  # type: ignore[return-value]
+
+    def gap(self, key: KeyState) -> int | None:
+        """The missing sequence the key waits on, or None when its backlog has no gap at its head."""
+        heap = key.heap
+        if heap and heap[0] != key.next_out:
+            return key.next_out
+        return None
+
+    def skip_gap(self, key: KeyState) -> int:
+        """Pass over the missing sequences up to the lowest held one; returns how many were skipped."""
+        target = key.heap[0]
+        first, last = key.next_out, target - 1
+        skipped = key.skipped
+        skipped.append([first, last])
+        if len(skipped) > _MAX_SKIPPED_RANGES_PER_KEY:
+            del skipped[0]
+        entry = key.index[target]
+        if entry.skipped is None:
+            entry.skipped = []
+        entry.skipped.append(SkippedRange(first, last))
+        key.next_out = key.run_end = target
+        key.n_ready = len(key.late)
+        _extend_run(key)
+        return last - first + 1
+
+    def waiting_for(self, key: KeyState) -> str:
+        return f"sequence {key.next_out}"
+
+
+_FINISHING = frozenset({2, 4})  # ACKING, DONE: the cursor may count them as passed once durable
+
+
+def _extend_run(key: KeyState) -> None:
+    index = key.index
+    end = key.run_end
+    ready = 0
+    while True:
+        entry = index.get(end)
+        if entry is None:
+            break
+        if entry.state == HELD:
+            ready += 1
+        end += 1
+    key.run_end = end
+    key.n_ready += ready
+
+
+def _take_from_skipped(ranges: list[list[int]], seq: int) -> bool:
+    """Remove ``seq`` from the skipped ranges; True if it was in one (so it is late, once)."""
+    for i, bounds in enumerate(ranges):
+        first, last = bounds
+        if first <= seq <= last:
+            if first == last:
+                del ranges[i]
+            elif seq == first:
+                bounds[0] = seq + 1
+            elif seq == last:
+                bounds[1] = seq - 1
+            else:
+                bounds[1] = seq - 1
+                ranges.insert(i + 1, [seq + 1, last])
+            return True
+    return False

@@ -1,0 +1,137 @@
+"""Per-message and per-key bookkeeping shared by the ordering policies and the engine core.
+
+Plain mutable records with ``__slots__`` (the hot path creates one ``Entry`` per stored message and
+touches a ``KeyState`` on every event, so attribute access must be cheap and memory small).
+
+Entry life cycle (``Entry.state``)::
+
+    HELD --take--> OUT --ack--> ACKING --ack_durable--> DONE (retired once every earlier one is)
+      ^             |  \\--nack/expiry/close--> HELD (again, after backoff)
+      |             \\--nack dead_letter / attempts exhausted--> DEAD --dead_letter_done--> DONE | BLOCKED
+
+Key invariants (checked by the property tests):
+
+- ``KeyState.out`` holds the in-order entries handed out and not yet retired, sorted by position;
+  the key's cursor only moves over a prefix of it whose entries are all DONE, so a cursor never
+  passes a message that is still in flight, acking or dead-lettering.
+- ``n_out`` counts entries in OUT, ACKING or DEAD of the key (late ones too): the in-flight slots.
+- ``consumer`` is set exactly while ``n_out > 0``: the key's affinity to one stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sidecar.engine.types import Message, SkippedRange
+
+HELD = 0
+"""Stored, not handed out (held behind a gap or the watermark, or ready)."""
+OUT = 1
+"""Delivered to a consumer, no answer yet."""
+ACKING = 2
+"""Acked by the app; the ack is being made durable. Never redelivered, keeps its slot."""
+DEAD = 3
+"""Being published to the dead-letter topic; the key waits for ``dead_letter_done``."""
+DONE = 4
+"""Finished (durably acked, or dead-lettered with ``skip``); waits in ``out`` until it is a prefix."""
+BLOCKED = 5
+"""Dead-lettered with ``on_dead_letter: block``: stays at the head of ``out`` so the cursor stops there."""
+BACKOFF = 6
+"""none mode only: nacked, waits for its own backoff (ordered modes back off the whole key)."""
+
+
+class Entry:
+    """One stored message while the engine is responsible for it."""
+
+    __slots__ = ("consumer", "deliveries", "delivery_id", "key", "late", "message", "n", "pos", "skipped", "state")
+
+    def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
+        self.message = message
+        self.key = key
+        self.pos = pos
+        """Sequence number (sequence mode), ``(timestamp_ms, dedup_id)`` (watermark mode), None (none)."""
+        self.n = n
+        """Arrival number: export keeps arrival order, status finds the oldest undelivered."""
+        self.deliveries = 0
+        self.state = HELD
+        self.delivery_id = ""
+        self.consumer: str | None = None
+        self.skipped: list[SkippedRange] | None = None
+        self.late = False
+
+
+class KeyState:
+    """Everything the engine knows about one ordering key."""
+
+    __slots__ = (
+        "backoff_since",
+        "backoff_until",
+        "blocked",
+        "blocked_since",
+        "consumer",
+        "counted_ready",
+        "cursor",
+        "dead_lettering",
+        "gap_missing",
+        "gap_since",
+        "heap",
+        "index",
+        "known_from",
+        "late",
+        "n_held",
+        "n_out",
+        "n_ready",
+        "name",
+        "next_out",
+        "out",
+        "queued",
+        "released",
+        "run_end",
+        "skipped",
+        "wait_since",
+        "waiting",
+    )
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.heap: list = []  # policy-specific heap of held in-order entries (by position)
+        self.index: dict = {}  # sequence mode: seq -> Entry for every entry the key still holds
+        self.late: deque[Entry] = deque()  # late messages to deliver (on_late: deliver)
+        self.out: list[Entry] = []
+        self.n_held = 0
+        """Entries in HELD (heap and late queue)."""
+        self.n_out = 0
+        self.n_ready = 0
+        """HELD entries releasable in order now (ignoring slots, backoff and blocks)."""
+        self.counted_ready = 0
+        """The part of ``n_ready`` included in the engine's global ready count (0 while blocked)."""
+        self.consumer: str | None = None
+        self.cursor: object = None
+        """sequence: next expected sequence (None until ``first_sequence: any`` adopts one);
+        watermark: last position acked (or skipped by a dead letter), None before any."""
+        self.next_out: int = 0
+        """sequence: the next sequence to hand out (>= cursor)."""
+        self.run_end: int = 0
+        """sequence: one past the contiguous run of stored sequences starting at ``next_out``."""
+        self.released: object = None
+        """watermark: highest position ever handed out (or the restored cursor): behind it is late."""
+        self.known_from: int = 0
+        """sequence: the cursor when this engine learned of the key (start, adopted or restored).
+        Below it the engine does not know what happened; a message there got past the store's
+        dedup, so it was never stored before: skipped before a restart, or older than adoption."""
+        self.skipped: list[list[int]] = []
+        """sequence: ranges ``[first, last]`` passed over by a gap skip; a later arrival there is late."""
+        self.blocked = False
+        self.blocked_since: int | None = None
+        self.dead_lettering = 0
+        self.backoff_until: int | None = None
+        self.backoff_since: int | None = None
+        self.queued: str | None = None
+        """Which ready queue holds the key: "" the shared one, else the owning consumer's; None if none.
+        A queue may still hold the key after it moved: an entry counts only if it matches this."""
+        self.gap_missing: int | None = None
+        """sequence: the missing sequence whose gap timeout is armed (None when no gap)."""
+        self.gap_since: int | None = None
+        self.waiting = False
+        """Holds messages back (gap, watermark, backoff, dead letter): counted in ``keys_blocked``."""
+        self.wait_since: int | None = None

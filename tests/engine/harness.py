@@ -1,0 +1,309 @@
+"""A driver for property tests: runs an engine through operations, plays the I/O layers (store,
+dead-letter publisher, app) and checks the guarantees after every step.
+
+The "store" is the engine's own ``export()``: a crash keeps what it holds (cursors that only durable
+acks moved, pending messages) and loses everything else (in-flight deliveries, acks not durable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sidecar.engine import (
+    DeadLetter,
+    Deliver,
+    DropDuplicate,
+    Engine,
+    EngineConfig,
+    Hold,
+    Message,
+)
+
+
+def seq_message(key: str, seq: int, *, variant: int = 0, stored_at_ms: int = 0) -> Message:
+    return Message(
+        key=key,
+        dedup_id=f"{key}/{seq}" + (f"~{variant}" if variant else ""),
+        message_id=f"m-{key}-{seq}-{variant}",
+        fingerprint=f"{key}/{seq}/{variant}".encode(),
+        stored_at_ms=stored_at_ms,
+        sequence=seq,
+    )
+
+
+def wm_message(key: str, timestamp_ms: int, dedup_id: str, *, stored_at_ms: int = 0) -> Message:
+    return Message(
+        key=key,
+        dedup_id=dedup_id,
+        message_id=f"m-{dedup_id}",
+        fingerprint=dedup_id.encode(),
+        stored_at_ms=stored_at_ms,
+        timestamp_ms=timestamp_ms,
+    )
+
+
+def identity(message: Message) -> tuple[object, ...]:
+    """What makes two copies "the same message" (DESIGN §4)."""
+    if message.sequence is not None:
+        return (message.key, message.sequence)
+    return (message.dedup_id,)
+
+
+def position(message: Message) -> object:
+    if message.sequence is not None:
+        return message.sequence
+    if message.timestamp_ms is not None:
+        return (message.timestamp_ms, message.dedup_id)
+    return message.dedup_id
+
+
+@dataclass
+class Harness:
+    config: EngineConfig
+    now_ms: int = 1_000
+    engine: Engine = field(init=False)
+    accepted: dict[tuple[object, ...], Message] = field(default_factory=dict)
+    """First copy of every identity given to on_stored (the store would have kept exactly that)."""
+    durable: set[tuple[object, ...]] = field(default_factory=set)
+    dead_lettered: set[tuple[object, ...]] = field(default_factory=set)
+    skipped: dict[str, set[int]] = field(default_factory=dict)
+    in_flight: dict[str, tuple[str, Deliver]] = field(default_factory=dict)  # delivery id -> consumer, deliver
+    acking: list[str] = field(default_factory=list)
+    ack_ids: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    acked_this_life: set[tuple[object, ...]] = field(default_factory=set)
+    handed_this_life: set[tuple[object, ...]] = field(default_factory=set)
+    failures_this_life: dict[tuple[object, ...], int] = field(default_factory=dict)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    dead_letter_done: set[tuple[object, ...]] = field(default_factory=set)
+    watermark_ms: int | None = None
+    deliveries: int = 0
+
+    def __post_init__(self) -> None:
+        self.engine = Engine(self.config, id_prefix="life0-")
+        self.lives = 0
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def store(self, message: Message) -> None:
+        ident = identity(message)
+        if self.lives and (ident in self.durable or ident in self.dead_letter_done):
+            # Firestore keeps a tombstone: a copy of a finished message never reaches the engine
+            # again. (Before the first crash the engine's own memory must catch these copies.)
+            return
+        first = self.accepted.get(ident)
+        actions = self.engine.on_stored(message, self.now_ms)
+        assert len(actions) <= 1
+        for action in actions:
+            assert not isinstance(action, Deliver)
+            if isinstance(action, DropDuplicate):
+                # Only a copy of something already known may be dropped (G1).
+                assert first is not None, f"distinct message dropped as duplicate: {message}"
+            elif isinstance(action, DeadLetter):
+                if action.reason == "conflict":
+                    assert first is not None and first.fingerprint != message.fingerprint
+                else:
+                    assert action.reason == "late", action
+                    self.accepted.setdefault(ident, message)
+                    self.dead_lettered.add(ident)
+                self.dead_letters.append(action)
+            else:
+                assert isinstance(action, Hold)
+        if (first is None and not actions) or (actions and isinstance(actions[0], Hold)):
+            self.accepted.setdefault(ident, message)
+
+    def take(self, consumer: str, count: int) -> list[Deliver]:
+        deliveries = self.engine.take(consumer, count, self.now_ms)
+        for delivery in deliveries:
+            self._check_delivery(delivery)
+            self.in_flight[delivery.delivery_id] = (consumer, delivery)
+            self.handed_this_life.add(identity(delivery.message))
+            self.deliveries += 1
+        return deliveries
+
+    def ack(self, index: int) -> None:
+        if not self.in_flight:
+            return
+        delivery_id = sorted(self.in_flight)[index % len(self.in_flight)]
+        consumer, delivery = self.in_flight.pop(delivery_id)
+        intent = self.engine.ack(consumer, delivery_id, self.now_ms)
+        assert intent.message == delivery.message
+        self.acking.append(delivery_id)
+        self.ack_ids[delivery_id] = identity(delivery.message)
+        self.acked_this_life.add(identity(delivery.message))
+
+    def make_acks_durable(self) -> None:
+        ids, self.acking = self.acking, []
+        self.engine.ack_durable(ids, self.now_ms)
+        for delivery_id in ids:
+            self.durable.add(self.ack_ids.pop(delivery_id))
+
+    def nack(self, index: int, *, retry_after_ms: int | None, dead_letter: bool) -> None:
+        if not self.in_flight:
+            return
+        delivery_id = sorted(self.in_flight)[index % len(self.in_flight)]
+        consumer, delivery = self.in_flight[delivery_id]
+        actions = self.engine.nack(
+            consumer, delivery_id, self.now_ms, retry_after_ms=retry_after_ms, dead_letter=dead_letter
+        )
+        self._after_failure(delivery, actions)
+
+    def close(self, consumer: str) -> None:
+        self.engine.consumer_closed(consumer, self.now_ms)
+        for delivery_id, (owner, _) in list(self.in_flight.items()):
+            if owner == consumer:
+                del self.in_flight[delivery_id]
+
+    def advance(self, milliseconds: int) -> None:
+        self.now_ms += milliseconds
+        due = self.engine.next_timer_ms()
+        while due is not None and due <= self.now_ms:
+            self._apply_tick(self.engine.tick(self.now_ms))
+            following = self.engine.next_timer_ms()
+            if following == due:
+                break
+            due = following
+
+    def advance_watermark(self, watermark_ms: int) -> None:
+        self.engine.advance_watermark(watermark_ms, self.now_ms)
+        if self.watermark_ms is None or watermark_ms > self.watermark_ms:
+            self.watermark_ms = watermark_ms
+
+    def finish_dead_letters(self) -> None:
+        letters, self.dead_letters = self.dead_letters, []
+        for letter in letters:
+            self.engine.dead_letter_done(letter.message, self.now_ms)
+            if letter.reason != "conflict":
+                self.dead_letter_done.add(identity(letter.message))
+
+    def crash_and_recover(self) -> None:
+        snapshot = self.engine.export()
+        self.lives += 1
+        self.engine = Engine.restore(self.config, snapshot, self.now_ms, id_prefix=f"life{self.lives}-")
+        self.in_flight.clear()
+        self.acking.clear()  # not durable: lost with the process
+        self.ack_ids.clear()
+        self.acked_this_life = set()
+        self.handed_this_life = set()
+        self.failures_this_life = {}
+        self.dead_letters.clear()  # not done: still pending in the snapshot, decided again
+        self._apply_tick(self.engine.tick(self.now_ms))
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def _check_delivery(self, delivery: Deliver) -> None:
+        message = delivery.message
+        ident = identity(message)
+        # G3: a durably acked message is never delivered again.
+        assert ident not in self.durable, f"durably acked message delivered again: {message}"
+        assert self.accepted.get(ident) == message, "delivered a copy that was not the accepted one"
+        # Bounded attempts (per engine life: attempts are not part of a snapshot).
+        assert delivery.attempt >= 1
+        for skipped in delivery.skipped:
+            self.skipped.setdefault(message.key, set()).update(range(skipped.first, skipped.last + 1))
+        if delivery.late:
+            return
+        if self.config.mode == "watermark":
+            assert self.watermark_ms is not None and message.timestamp_ms <= self.watermark_ms, "watermark rule"
+        if self.config.mode == "none":
+            return
+        # G2: every earlier message of the key is acked, skipped or dead-lettered (one in flight),
+        # or at least handed out already (several in flight).
+        strict = self.config.max_in_flight_per_key == 1
+        done = self.durable | self.dead_lettered | self.acked_this_life
+        key_skipped = self.skipped.get(message.key, set())
+        if self.config.mode == "sequence":
+            for seq in range(self.config.sequence_start, message.sequence):
+                other = (message.key, seq)
+                if seq in key_skipped or other in done:
+                    continue
+                assert not strict and other in self.handed_this_life, f"G2: {message.key}/{seq} before {message}"
+        else:
+            mine = position(message)
+            for other_ident, other in self.accepted.items():
+                if other.key != message.key or position(other) >= mine or other_ident in done:  # type: ignore[operator]
+                    continue
+                assert not strict and other_ident in self.handed_this_life, f"G2: {other} before {message}"
+        if strict:
+            for _, flying in self.in_flight.values():
+                assert flying.message.key != message.key or flying.late, "two in flight on one key"
+
+    def _after_failure(self, delivery: Deliver, actions: list) -> None:
+        ident = identity(delivery.message)
+        self.failures_this_life[ident] = self.failures_this_life.get(ident, 0) + 1
+        # G5: never more failed attempts than allowed before the dead letter.
+        assert self.failures_this_life[ident] <= self.config.max_delivery_attempts
+        # The nacked delivery and later ones of its key that were in flight are no longer valid.
+        for delivery_id in list(self.in_flight):
+            if not self._is_in_flight(delivery_id):
+                del self.in_flight[delivery_id]
+        for action in actions:
+            assert isinstance(action, DeadLetter)
+            assert action.message == delivery.message
+            self.dead_letters.append(action)
+            self.dead_lettered.add(ident)
+
+    def _apply_tick(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, DeadLetter):
+                if action.reason in ("max_delivery_attempts", "late", "app_dead_letter"):
+                    self.dead_lettered.add(identity(action.message))
+                self.dead_letters.append(action)
+        # An expiry fails the expired delivery and gives back the later ones of its key: count a
+        # failure only for the first of each key (late deliveries fail on their own).
+        vanished: dict[object, Deliver] = {}
+        for delivery_id in list(self.in_flight):
+            if not self._is_in_flight(delivery_id):
+                _, delivery = self.in_flight.pop(delivery_id)
+                group = (delivery.message.key, delivery.delivery_id) if delivery.late or self.config.mode == "none" \
+                    else delivery.message.key
+                first = vanished.get(group)
+                if first is None or position(delivery.message) < position(first.message):  # type: ignore[operator]
+                    vanished[group] = delivery
+        for delivery in vanished.values():
+            ident = identity(delivery.message)
+            self.failures_this_life[ident] = self.failures_this_life.get(ident, 0) + 1
+            assert self.failures_this_life[ident] <= self.config.max_delivery_attempts
+
+    def _is_in_flight(self, delivery_id: str) -> bool:
+        entry = self.engine._deliveries.get(delivery_id)
+        return entry is not None and entry.state == 1  # OUT
+
+    def drain(self, max_rounds: int = 400) -> None:
+        """Play a well-behaved app until nothing moves: ack everything, finish dead letters."""
+        for _ in range(max_rounds):
+            self.advance_watermark(10**12)
+            self.finish_dead_letters()
+            while self.in_flight:
+                self.ack(0)
+            self.make_acks_durable()
+            self.take("drain", 1000)
+            if not self.in_flight and not self.dead_letters:
+                due = self.engine.next_timer_ms()
+                if due is None or due > self.now_ms + 10**10:
+                    return
+                self.advance(max(due - self.now_ms, 1))
+        raise AssertionError("engine did not settle")
+
+    def check_nothing_lost(self) -> None:
+        """Every accepted message is durably acked, dead-lettered, or still visibly held."""
+        pending = {identity(m) for m in self.engine.export().pending}
+        status, keys = self.engine.status(self.now_ms, max_keys=10**6)
+        for ident, message in self.accepted.items():
+            if ident in self.durable or ident in self.dead_lettered:
+                continue
+            assert ident in pending, f"lost: {message}"
+        if pending:
+            assert status.buffered >= 1
+            waiting = {k.key for k in keys if k.state != "idle"}
+            # After draining, a key may only hold messages for a real reason: a dead letter that
+            # blocks it, or (sequence mode) a sequence that never arrived.
+            for key_status in keys:
+                if key_status.state == "blocked_dead_letter":
+                    continue
+                assert self.config.mode == "sequence", f"held after drain: {key_status}"
+                assert key_status.state == "waiting_sequence", key_status
+                assert (key_status.key, key_status.missing_sequence) not in self.accepted, key_status
+            for ident in pending:
+                message = self.accepted.get(ident)
+                if message is not None and message.key is not None and self.config.mode != "none":
+                    assert message.key in waiting, f"held silently: {message}"

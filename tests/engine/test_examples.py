@@ -1,0 +1,333 @@
+"""Example tests, one behaviour each: the engine's policies as readable documentation."""
+
+from __future__ import annotations
+
+import pytest
+from harness import seq_message, wm_message
+
+from sidecar.engine import (
+    DeadLetter,
+    DropDuplicate,
+    Engine,
+    EngineConfig,
+    EngineSnapshot,
+    Hold,
+    KeyCursor,
+    Message,
+    SkippedRange,
+    UnknownDelivery,
+)
+
+
+def sequence_engine(**overrides: object) -> Engine:
+    return Engine(EngineConfig(mode="sequence", **overrides))  # type: ignore[arg-type]
+
+
+def taken(engine: Engine, consumer: str = "c", now_ms: int = 0) -> list[tuple[str, int | None]]:
+    return [(d.message.key, d.message.sequence) for d in engine.take(consumer, 100, now_ms)]
+
+
+def ack_all(engine: Engine, consumer: str = "c", now_ms: int = 0) -> list[tuple[str, int | None]]:
+    deliveries = engine.take(consumer, 100, now_ms)
+    engine.ack_durable([engine.ack(consumer, d.delivery_id, now_ms).delivery_id for d in deliveries], now_ms)
+    return [(d.message.key, d.message.sequence) for d in deliveries]
+
+
+# ---- sequence mode ----------------------------------------------------------------------------
+
+
+def test_gap_is_held_until_missing_sequence_arrives() -> None:
+    engine = sequence_engine()
+    assert engine.on_stored(seq_message("k", 2), 0) == [Hold(seq_message("k", 2), "missing sequence 1")]
+    assert taken(engine) == []
+    assert engine.on_stored(seq_message("k", 1), 0) == []
+    assert ack_all(engine) == [("k", 1)]
+    assert ack_all(engine) == [("k", 2)]
+
+
+def test_one_message_per_key_in_flight_until_acked_durably() -> None:
+    engine = sequence_engine()
+    for seq in (1, 2):
+        engine.on_stored(seq_message("k", seq), 0)
+    (first,) = engine.take("c", 10, 0)
+    intent = engine.ack("c", first.delivery_id, 0)
+    assert intent.cursor == 2
+    assert taken(engine) == []  # acking still occupies the slot
+    engine.ack_durable([first.delivery_id], 1)
+    assert taken(engine) == [("k", 2)]
+
+
+def test_duplicate_below_cursor_or_pending_is_dropped() -> None:
+    engine = sequence_engine()
+    engine.on_stored(seq_message("k", 1), 0)
+    assert isinstance(engine.on_stored(seq_message("k", 1), 0)[0], DropDuplicate)
+    ack_all(engine)
+    assert isinstance(engine.on_stored(seq_message("k", 1), 0)[0], DropDuplicate)
+    assert engine.status(0)[0].counts["duplicates"] == 2
+
+
+def test_conflicting_duplicate_is_dead_lettered_and_the_original_kept() -> None:
+    engine = sequence_engine()
+    engine.on_stored(seq_message("k", 1), 0)
+    conflict = seq_message("k", 1, variant=1)
+    assert engine.on_stored(conflict, 0) == [DeadLetter(conflict, "conflict", 0)]
+    assert engine.dead_letter_done(conflict, 0) == []
+    assert ack_all(engine) == [("k", 1)]
+
+
+def test_gap_timeout_skip_delivers_next_with_the_skipped_range() -> None:
+    engine = sequence_engine(gap_timeout_ms=5_000, on_gap_timeout="skip")
+    engine.on_stored(seq_message("k", 1), 0)
+    ack_all(engine)
+    engine.on_stored(seq_message("k", 4), 10)
+    assert engine.next_timer_ms() == 5_010
+    assert engine.tick(5_009) == [] and taken(engine, now_ms=5_009) == []
+    engine.tick(5_010)
+    (delivery,) = engine.take("c", 10, 5_010)
+    assert delivery.message.sequence == 4 and delivery.skipped == (SkippedRange(2, 3),)
+    assert engine.ack("c", delivery.delivery_id, 5_010).cursor == 5
+
+
+def test_gap_timeout_hold_keeps_waiting_visibly() -> None:
+    engine = sequence_engine(gap_timeout_ms=100, on_gap_timeout="hold")
+    engine.on_stored(seq_message("k", 2), 0)
+    engine.tick(1_000)
+    status, keys = engine.status(1_000)
+    assert taken(engine, now_ms=1_000) == []
+    assert status.keys_blocked == 1 and status.counts["gap_timeouts"] == 1
+    assert (keys[0].state, keys[0].missing_sequence, keys[0].since_ms) == ("waiting_sequence", 1, 0)
+
+
+@pytest.mark.parametrize("on_late", ["dead_letter", "deliver"])
+def test_skipped_sequence_arriving_later_is_late(on_late: str) -> None:
+    engine = sequence_engine(gap_timeout_ms=0, on_gap_timeout="skip", on_late=on_late)
+    engine.on_stored(seq_message("k", 2), 0)
+    engine.tick(0)
+    assert ack_all(engine) == [("k", 2)]
+    actions = engine.on_stored(seq_message("k", 1), 1)
+    if on_late == "dead_letter":
+        assert actions == [DeadLetter(seq_message("k", 1), "late", 0)]
+    else:
+        (delivery,) = engine.take("c", 10, 1)
+        assert actions == [] and delivery.late and delivery.message.sequence == 1
+
+
+def test_first_sequence_any_starts_a_new_key_at_its_first_seen_sequence() -> None:
+    engine = sequence_engine(first_sequence_any=True, on_late="deliver")
+    engine.on_stored(seq_message("old", 41), 0)
+    assert ack_all(engine) == [("old", 41)]
+    # An earlier sequence arriving after adoption is late, never dropped silently.
+    engine.on_stored(seq_message("old", 40), 0)
+    (delivery,) = engine.take("c", 10, 0)
+    assert delivery.late and delivery.message.sequence == 40
+
+
+# ---- delivery state ---------------------------------------------------------------------------
+
+
+def test_nack_backs_off_exponentially_with_injected_jitter() -> None:
+    engine = Engine(
+        EngineConfig(mode="sequence", backoff_initial_ms=1_000, backoff_maximum_ms=3_000, max_delivery_attempts=10),
+        jitter=lambda: 0.25,
+    )
+    engine.on_stored(seq_message("k", 1), 0)
+    now = 0
+    delays = []
+    for _ in range(4):
+        (delivery,) = engine.take("c", 1, now)
+        engine.nack("c", delivery.delivery_id, now)
+        due = engine.next_timer_ms()
+        assert due is not None
+        delays.append(due - now)
+        assert taken(engine, now_ms=due - 1) == []
+        now = due
+        engine.tick(now)
+    # min(maximum, initial * 2**(n-1)) * (0.5 + jitter)
+    assert delays == [750, 1_500, 2_250, 2_250]
+
+
+def test_nack_with_several_in_flight_resends_it_and_everything_after_in_order() -> None:
+    engine = sequence_engine(max_in_flight_per_key=3)
+    for seq in (1, 2, 3):
+        engine.on_stored(seq_message("k", seq), 0)
+    first, second, third = engine.take("c", 10, 0)
+    engine.ack("c", first.delivery_id, 0)
+    engine.nack("c", second.delivery_id, 0, retry_after_ms=0)
+    with pytest.raises(UnknownDelivery):
+        engine.ack("c", third.delivery_id, 0)  # given back with the nacked one
+    again = engine.take("c", 10, 0)
+    assert [(d.message.sequence, d.attempt) for d in again] == [(2, 2), (3, 2)]
+
+
+def test_ack_deadline_expiry_counts_as_an_attempt_then_dead_letters() -> None:
+    engine = sequence_engine(ack_deadline_ms=1_000, max_delivery_attempts=2, backoff_initial_ms=0)
+    engine.on_stored(seq_message("k", 1), 0)
+    engine.take("c", 1, 0)
+    assert engine.tick(1_000) == []
+    (second,) = engine.take("c", 1, 1_000)
+    assert second.attempt == 2
+    assert engine.tick(2_000) == [DeadLetter(seq_message("k", 1), "max_delivery_attempts", 2)]
+    assert engine.status(2_000)[0].counts["expired"] == 2
+
+
+def test_dead_letter_with_block_stops_the_key() -> None:
+    engine = sequence_engine(on_dead_letter="block")
+    for seq in (1, 2):
+        engine.on_stored(seq_message("k", seq), 0)
+    (first,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
+    assert letter.reason == "app_dead_letter"
+    engine.dead_letter_done(letter.message, 1)
+    assert taken(engine) == []
+    _, keys = engine.status(1)
+    assert keys[0].state == "blocked_dead_letter"
+    assert engine.export().cursors[0].blocked
+
+
+def test_dead_letter_with_skip_goes_on_with_the_next_message() -> None:
+    engine = sequence_engine(on_dead_letter="skip")
+    for seq in (1, 2):
+        engine.on_stored(seq_message("k", seq), 0)
+    (first,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
+    assert taken(engine) == []  # not before the dead letter is durable
+    engine.dead_letter_done(letter.message, 1)
+    (second,) = engine.take("c", 1, 1)
+    assert engine.ack("c", second.delivery_id, 1).cursor == 3
+
+
+def test_consumer_close_gives_in_flight_back_at_once_but_not_acking_ones() -> None:
+    engine = sequence_engine()
+    engine.on_stored(seq_message("a", 1), 0)
+    engine.on_stored(seq_message("b", 1), 0)
+    deliveries = {d.message.key: d for d in engine.take("c", 10, 0)}
+    engine.ack("c", deliveries["a"].delivery_id, 0)
+    engine.consumer_closed("c", 0)
+    assert taken(engine, "other") == [("b", 1)]
+    engine.ack_durable([deliveries["a"].delivery_id], 0)
+    assert engine.status(0)[0].counts["acked"] == 1
+
+
+def test_a_key_with_messages_in_flight_stays_on_its_consumer() -> None:
+    engine = sequence_engine(max_in_flight_per_key=2)
+    for seq in (1, 2):
+        engine.on_stored(seq_message("k", seq), 0)
+    assert [d.message.sequence for d in engine.take("first", 1, 0)] == [1]
+    assert engine.take("second", 10, 0) == []
+    assert [d.message.sequence for d in engine.take("first", 10, 0)] == [2]
+
+
+def test_ready_keys_are_served_round_robin() -> None:
+    engine = sequence_engine(max_in_flight_per_key=5)
+    for seq in (1, 2, 3):
+        engine.on_stored(seq_message("a", seq), 0)
+    engine.on_stored(seq_message("b", 1), 0)
+    assert taken(engine)[:2] == [("a", 1), ("b", 1)]
+
+
+def test_unknown_or_foreign_delivery_ids_are_refused() -> None:
+    engine = sequence_engine()
+    engine.on_stored(seq_message("k", 1), 0)
+    (delivery,) = engine.take("c", 1, 0)
+    with pytest.raises(UnknownDelivery):
+        engine.ack("someone-else", delivery.delivery_id, 0)
+    with pytest.raises(UnknownDelivery):
+        engine.nack("c", "no-such-id", 0)
+
+
+def test_restore_rebuilds_from_cursors_and_pending_and_redelivers_in_flight() -> None:
+    engine = sequence_engine()
+    for seq in (1, 2, 4):
+        engine.on_stored(seq_message("k", seq), 0)
+    ack_all(engine)
+    engine.take("c", 1, 0)  # 2 in flight at the crash
+    restored = Engine.restore(EngineConfig(mode="sequence"), engine.export(), 5, id_prefix="r-")
+    (delivery,) = restored.take("c", 10, 5)
+    assert (delivery.message.sequence, delivery.delivery_id, delivery.attempt) == (2, "r-1", 1)
+    assert restored.status(5)[0].buffered == 2
+
+
+def test_restore_reports_pending_messages_below_the_cursor_on_the_first_tick() -> None:
+    snapshot = EngineSnapshot(cursors=(KeyCursor("k", next_sequence=3),), pending=(seq_message("k", 1),))
+    restored = Engine.restore(EngineConfig(mode="sequence", on_late="dead_letter"), snapshot, 7)
+    assert restored.next_timer_ms() == 7
+    assert restored.tick(7) == [DeadLetter(seq_message("k", 1), "late", 0)]
+
+
+# ---- watermark mode ---------------------------------------------------------------------------
+
+
+def test_watermark_releases_only_what_it_passed_in_position_order() -> None:
+    engine = Engine(EngineConfig(mode="watermark"))
+    engine.on_stored(wm_message("k", 20, "b"), 0)
+    held = engine.on_stored(wm_message("k", 10, "a"), 0)
+    assert isinstance(held[0], Hold) and "watermark" in held[0].reason
+    engine.advance_watermark(15, 0)
+    assert [d.message.dedup_id for d in engine.take("c", 10, 0)] == ["a"]
+    engine.advance_watermark(5, 0)  # never moves back
+    assert engine.status(0)[0].watermark_ms == 15
+
+
+def test_equal_timestamps_are_ordered_by_dedup_id() -> None:
+    engine = Engine(EngineConfig(mode="watermark", max_in_flight_per_key=2))
+    engine.on_stored(wm_message("k", 10, "z"), 0)
+    engine.on_stored(wm_message("k", 10, "m"), 0)
+    engine.advance_watermark(10, 0)
+    assert [d.message.dedup_id for d in engine.take("c", 10, 0)] == ["m", "z"]
+
+
+@pytest.mark.parametrize("on_late", ["dead_letter", "deliver"])
+def test_message_behind_the_released_cursor_is_late(on_late: str) -> None:
+    engine = Engine(EngineConfig(mode="watermark", on_late=on_late))  # type: ignore[arg-type]
+    engine.advance_watermark(100, 0)
+    engine.on_stored(wm_message("k", 50, "b"), 0)
+    ack_all(engine)
+    late = wm_message("k", 40, "a")
+    actions = engine.on_stored(late, 0)
+    if on_late == "dead_letter":
+        assert actions == [DeadLetter(late, "late", 0)]
+    else:
+        (delivery,) = engine.take("c", 1, 0)
+        assert delivery.late and delivery.message == late
+        assert engine.ack("c", delivery.delivery_id, 0).cursor == (50, "b")  # the cursor never moves back
+
+
+# ---- none mode --------------------------------------------------------------------------------
+
+
+def test_none_mode_delivers_on_arrival_and_drops_duplicates_within_the_ttl() -> None:
+    engine = Engine(EngineConfig(mode="none", dedup_ttl_ms=1_000))
+    message = Message("k", "id-1", "m-1", b"f", 0)
+    assert engine.on_stored(message, 0) == []
+    assert ack_all(engine) == [("k", None)]
+    assert isinstance(engine.on_stored(message, 999)[0], DropDuplicate)
+    assert engine.on_stored(message, 1_000) == []  # the TTL passed: Firestore is the authority now
+
+
+def test_none_mode_has_no_per_key_limit_or_order() -> None:
+    engine = Engine(EngineConfig(mode="none"))
+    for i in range(3):
+        engine.on_stored(Message("k", f"id-{i}", f"m-{i}", b"f", 0), 0)
+    assert len(engine.take("c", 10, 0)) == 3
+
+
+# ---- input errors -----------------------------------------------------------------------------
+
+
+def test_invalid_config_is_refused_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="max_in_flight_per_key must be >= 1"):
+        Engine(EngineConfig(mode="sequence", max_in_flight_per_key=0))
+
+
+def test_sequence_mode_message_without_sequence_is_refused_clearly() -> None:
+    engine = sequence_engine()
+    with pytest.raises(ValueError, match="has no integer sequence"):
+        engine.on_stored(Message("k", "d", "m", b"f", 0), 0)
+
+
+def test_jitter_outside_the_unit_interval_is_refused() -> None:
+    engine = Engine(EngineConfig(mode="sequence"), jitter=lambda: 1.5)
+    engine.on_stored(seq_message("k", 1), 0)
+    (delivery,) = engine.take("c", 1, 0)
+    with pytest.raises(ValueError, match="jitter"):
+        engine.nack("c", delivery.delivery_id, 0)
