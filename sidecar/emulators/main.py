@@ -1,0 +1,59 @@
+"""`pubsub-sidecar emulators`: run all emulators in one process until SIGTERM or SIGINT.
+
+The ``export`` lines go to stdout, flushed, only once every server accepts connections, so a
+parent process (a test fixture, ``eval $(...)``) may read them as the readiness signal. With port 0
+they carry the real bound ports. SIGTERM/SIGINT stop the stack and exit 0; a failure to start
+exits 1 with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from sidecar.emulators.stack import EmulatorStack
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def export_lines(stack: EmulatorStack) -> list[str]:
+    lines = [f"export {name}={value}" for name, value in stack.env.items()]
+    lines.append(f"export EMULATORS_ADMIN_URL={stack.admin_url}")
+    return lines
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    stack = EmulatorStack(
+        host=args.host,
+        pubsub_port=args.pubsub_port,
+        firestore_port=args.firestore_port,
+        monitoring_port=args.monitoring_port,
+        admin_port=args.admin_port,
+        metric_period=args.metric_period,
+        metric_delay=args.metric_delay,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # The one place that installs signal handlers for this process.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stack.start()
+    except (OSError, ValueError) as exc:
+        print(f"pubsub-sidecar emulators: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        print("\n".join(export_lines(stack)), flush=True)
+        await stop.wait()
+        _LOGGER.info("signal received; stopping the emulators")
+    finally:
+        await stack.stop()
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return asyncio.run(_serve(args))

@@ -1,0 +1,507 @@
+"""The Pub/Sub emulator's gRPC surface: ``google.pubsub.v1.Publisher`` and ``Subscriber``.
+
+The only module of ours that imports ``google.pubsub_v1``. Requests arrive as raw protobuf messages
+(the proto-plus types' ``.pb()`` classes, no code generation); the broker in ``pubsub_state.py``
+does the work. Rules kept here:
+- every refusal is the status code production gives (INVALID_ARGUMENT for malformed names, values
+  or oversize publishes, NOT_FOUND, ALREADY_EXISTS), with a message; an unexpected exception is logged
+  and becomes INTERNAL, never UNKNOWN (the publisher retries UNKNOWN silently for ten minutes);
+- StreamingPull fails with NOT_FOUND when the subscription is missing (the client never checks it
+  first) and is only ever ended by the server with a non-OK code (OK would stop the subscriber);
+- snapshots, seek, push delivery and exactly-once delivery are not emulated (see docs/emulators.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from google.protobuf import empty_pb2, field_mask_pb2
+from google.pubsub_v1 import types
+
+from sidecar.emulators.faults import FaultInjector
+from sidecar.emulators.pubsub_names import (
+    DELETED_TOPIC,
+    InvalidName,
+    parse_project,
+    parse_subscription,
+    parse_topic,
+)
+from sidecar.emulators.pubsub_state import (
+    MAX_ACK_DEADLINE_SECONDS,
+    MIN_ACK_DEADLINE_SECONDS,
+    Backlog,
+    Broker,
+    Lease,
+    PubsubError,
+    StreamState,
+    Subscription,
+)
+
+_LOGGER = logging.getLogger(__name__)
+
+MAX_PUBLISH_REQUEST_BYTES = 10 * 1000 * 1000
+"""Production refuses a Publish request (and so any message) above 10 MB."""
+MAX_ATTRIBUTE_KEY_BYTES = 256
+MAX_ATTRIBUTE_VALUE_BYTES = 1024
+MAX_ORDERING_KEY_BYTES = 1024
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
+"""What production fills in for ``message_retention_duration`` when it is unset."""
+DEFAULT_EXPIRATION_TTL_SECONDS = 31 * 24 * 3600
+PULL_WAIT_SECONDS = 1.0
+"""A unary Pull with nothing available waits this long for a message before answering empty."""
+MAX_PAGE_SIZE = 1000
+
+_PubsubMessage = types.PubsubMessage.pb()
+_Topic = types.Topic.pb()
+_Subscription = types.Subscription.pb()
+_SubscriptionState = types.Subscription.State
+_StreamingPullRequest = types.StreamingPullRequest.pb()
+_StreamingPullResponse = types.StreamingPullResponse.pb()
+_Empty = empty_pb2.Empty
+
+_Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _invalid(message: str) -> PubsubError:
+    return PubsubError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _guarded(handler: _Handler) -> _Handler:
+    """Turn our errors into their status codes and anything unexpected into INTERNAL."""
+
+    @functools.wraps(handler)
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(request, context)
+        except PubsubError as exc:
+            await context.abort(exc.code, exc.message)
+        except InvalidName as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            _LOGGER.exception("pubsub emulator: unexpected error in %s", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"emulator error in {handler.__name__}")
+
+    return call
+
+
+def _page(names: list[str], page_size: int, page_token: str) -> tuple[list[str], str]:
+    """A page of sorted ``names`` after ``page_token`` (the last name of the previous page)."""
+    if page_size < 0:
+        raise _invalid("page_size must not be negative")
+    size = min(page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
+    rest = [n for n in names if n > page_token] if page_token else names
+    page = rest[:size]
+    return page, (page[-1] if len(rest) > size else "")
+
+
+def _apply_mask(target: Any, update: Any, mask: Any, immutable: set[str]) -> None:
+    if not mask.paths:
+        raise _invalid("update_mask must name at least one field")
+    fields = {f.name for f in target.DESCRIPTOR.fields}
+    for path in mask.paths:
+        top = path.split(".", 1)[0]
+        if top not in fields:
+            raise _invalid(f"update_mask: unknown field {path!r}")
+        if top in immutable:
+            raise _invalid(f"update_mask: field {path!r} cannot be updated")
+    field_mask_pb2.FieldMask(paths=list(mask.paths)).MergeMessage(
+        update, target, replace_message_field=True, replace_repeated_field=True
+    )
+
+
+def _validate_subscription(config: Any) -> None:
+    """Check and fill in a subscription config as production does on create and update."""
+    if config.ack_deadline_seconds == 0:
+        config.ack_deadline_seconds = MIN_ACK_DEADLINE_SECONDS
+    if not MIN_ACK_DEADLINE_SECONDS <= config.ack_deadline_seconds <= MAX_ACK_DEADLINE_SECONDS:
+        raise _invalid(
+            f"ack_deadline_seconds must be between {MIN_ACK_DEADLINE_SECONDS} and {MAX_ACK_DEADLINE_SECONDS}"
+            f" (got {config.ack_deadline_seconds})"
+        )
+    if config.HasField("dead_letter_policy") and config.dead_letter_policy.dead_letter_topic:
+        policy = config.dead_letter_policy
+        parse_topic(policy.dead_letter_topic)
+        if policy.max_delivery_attempts == 0:
+            policy.max_delivery_attempts = 5
+        if not 5 <= policy.max_delivery_attempts <= 100:
+            raise _invalid(
+                f"dead_letter_policy.max_delivery_attempts must be between 5 and 100 "
+                f"(got {policy.max_delivery_attempts})"
+            )
+    if config.HasField("retry_policy"):
+        low = config.retry_policy.minimum_backoff.ToTimedelta().total_seconds()
+        high = config.retry_policy.maximum_backoff.ToTimedelta().total_seconds()
+        if not 0 <= low <= 600 or not 0 <= high <= 600:
+            raise _invalid("retry_policy backoffs must be between 0 and 600 seconds")
+    if config.message_retention_duration.seconds == 0 and config.message_retention_duration.nanos == 0:
+        config.message_retention_duration.seconds = DEFAULT_RETENTION_SECONDS
+    if not config.HasField("expiration_policy"):
+        config.expiration_policy.ttl.seconds = DEFAULT_EXPIRATION_TTL_SECONDS
+    config.state = _SubscriptionState.ACTIVE
+
+
+def _validate_messages(request: Any) -> None:
+    if not request.messages:
+        raise _invalid("Publish: the request contains no messages")
+    size = request.ByteSize()
+    if size > MAX_PUBLISH_REQUEST_BYTES:
+        raise _invalid(f"Publish: request size {size} bytes exceeds the limit of {MAX_PUBLISH_REQUEST_BYTES} bytes")
+    for index, message in enumerate(request.messages):
+        if not message.data and not message.attributes:
+            raise _invalid(f"Publish: message {index} contains neither data nor attributes")
+        for key, value in message.attributes.items():
+            if not key or len(key.encode()) > MAX_ATTRIBUTE_KEY_BYTES:
+                raise _invalid(f"Publish: message {index}: attribute key {key!r} must be 1-256 bytes")
+            if key.startswith("goog"):
+                raise _invalid(f"Publish: message {index}: attribute key {key!r} is reserved (starts with 'goog')")
+            if len(value.encode()) > MAX_ATTRIBUTE_VALUE_BYTES:
+                raise _invalid(f"Publish: message {index}: attribute {key!r} value exceeds 1024 bytes")
+        if len(message.ordering_key.encode()) > MAX_ORDERING_KEY_BYTES:
+            raise _invalid(f"Publish: message {index}: ordering_key exceeds 1024 bytes")
+
+
+def _check_modack_seconds(seconds: int) -> None:
+    if not 0 <= seconds <= MAX_ACK_DEADLINE_SECONDS:
+        raise _invalid(f"ack_deadline_seconds must be between 0 and {MAX_ACK_DEADLINE_SECONDS} (got {seconds})")
+
+
+class PubsubEmulator:
+    """The Pub/Sub emulator: broker + gRPC handlers + its admin routes and stream breaker."""
+
+    def __init__(self, injector: FaultInjector) -> None:
+        self.broker = Broker()
+        self._injector = injector
+        self._stream_tasks: set[asyncio.Task[None]] = set()
+        injector.stream_breakers["pubsub"] = self.break_streams
+
+    # -- wiring ----------------------------------------------------------------------------------
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        def unary(fn: _Handler, request: Any, response: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(_guarded(fn), request.FromString, response.SerializeToString)
+
+        publisher = {
+            "CreateTopic": unary(self.create_topic, _Topic, _Topic),
+            "UpdateTopic": unary(self.update_topic, types.UpdateTopicRequest.pb(), _Topic),
+            "Publish": unary(self.publish, types.PublishRequest.pb(), types.PublishResponse.pb()),
+            "GetTopic": unary(self.get_topic, types.GetTopicRequest.pb(), _Topic),
+            "ListTopics": unary(self.list_topics, types.ListTopicsRequest.pb(), types.ListTopicsResponse.pb()),
+            "ListTopicSubscriptions": unary(
+                self.list_topic_subscriptions,
+                types.ListTopicSubscriptionsRequest.pb(),
+                types.ListTopicSubscriptionsResponse.pb(),
+            ),
+            "DeleteTopic": unary(self.delete_topic, types.DeleteTopicRequest.pb(), _Empty),
+        }
+        subscriber = {
+            "CreateSubscription": unary(self.create_subscription, _Subscription, _Subscription),
+            "GetSubscription": unary(self.get_subscription, types.GetSubscriptionRequest.pb(), _Subscription),
+            "UpdateSubscription": unary(self.update_subscription, types.UpdateSubscriptionRequest.pb(), _Subscription),
+            "ListSubscriptions": unary(
+                self.list_subscriptions, types.ListSubscriptionsRequest.pb(), types.ListSubscriptionsResponse.pb()
+            ),
+            "DeleteSubscription": unary(self.delete_subscription, types.DeleteSubscriptionRequest.pb(), _Empty),
+            "ModifyAckDeadline": unary(self.modify_ack_deadline, types.ModifyAckDeadlineRequest.pb(), _Empty),
+            "Acknowledge": unary(self.acknowledge, types.AcknowledgeRequest.pb(), _Empty),
+            "Pull": unary(self.pull, types.PullRequest.pb(), types.PullResponse.pb()),
+            "ModifyPushConfig": unary(self.modify_push_config, types.ModifyPushConfigRequest.pb(), _Empty),
+            "StreamingPull": grpc.stream_stream_rpc_method_handler(
+                self.streaming_pull, _StreamingPullRequest.FromString, _StreamingPullResponse.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler("google.pubsub.v1.Publisher", publisher),
+                grpc.method_handlers_generic_handler("google.pubsub.v1.Subscriber", subscriber),
+            )
+        )
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/pubsub/delay", self._get_delay),
+            web.post("/pubsub/delay", self._post_delay),
+            web.delete("/pubsub/delay", self._delete_delay),
+        ]
+
+    def backlogs(self) -> dict[str, Backlog]:
+        """Per subscription with unacked messages: oldest publish time and count (for Monitoring)."""
+        return self.broker.backlogs()
+
+    async def break_streams(self, code: grpc.StatusCode) -> int:
+        return self.broker.break_streams(code, f"stream closed by the emulator ({code.name})")
+
+    async def close(self) -> None:
+        self.broker.break_streams(grpc.StatusCode.UNAVAILABLE, "emulator shutting down")
+        self.broker.close()
+        self._injector.stream_breakers.pop("pubsub", None)
+
+    # -- Publisher -------------------------------------------------------------------------------
+
+    async def create_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.name)
+        if request.schema_settings.schema:
+            raise _invalid("schemas are not supported by this emulator")
+        config = _Topic()
+        config.CopyFrom(request)
+        self.broker.add_topic(config)
+        return config
+
+    async def get_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.topic)
+        return self.broker.topic(request.topic)
+
+    async def update_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.topic.name)
+        current = self.broker.topic(request.topic.name)
+        updated = _Topic()
+        updated.CopyFrom(current)
+        _apply_mask(updated, request.topic, request.update_mask, {"name"})
+        self.broker.topics[current.name] = updated
+        return updated
+
+    async def list_topics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        project = parse_project(request.project)
+        prefix = f"projects/{project}/topics/"
+        names = sorted(n for n in self.broker.topics if n.startswith(prefix))
+        page, token = _page(names, request.page_size, request.page_token)
+        return types.ListTopicsResponse.pb()(topics=[self.broker.topics[n] for n in page], next_page_token=token)
+
+    async def list_topic_subscriptions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.topic)
+        names = self.broker.topic_subscriptions(request.topic)
+        page, token = _page(names, request.page_size, request.page_token)
+        return types.ListTopicSubscriptionsResponse.pb()(subscriptions=page, next_page_token=token)
+
+    async def delete_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.topic)
+        self.broker.delete_topic(request.topic, DELETED_TOPIC)
+        return _Empty()
+
+    async def publish(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_topic(request.topic)
+        self.broker.topic(request.topic)
+        _validate_messages(request)
+        ids = self.broker.publish(request.topic, request.messages)
+        return types.PublishResponse.pb()(message_ids=ids)
+
+    # -- Subscriber admin --------------------------------------------------------------------------
+
+    async def create_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_subscription(request.name)
+        parse_topic(request.topic)
+        if request.push_config.push_endpoint or request.HasField("bigquery_config"):
+            raise _invalid("push, BigQuery and Cloud Storage subscriptions are not supported by this emulator")
+        if request.filter:
+            raise _invalid("subscription filters are not supported by this emulator")
+        if request.enable_exactly_once_delivery:
+            raise _invalid("exactly-once delivery is not supported by this emulator")
+        config = _Subscription()
+        config.CopyFrom(request)
+        _validate_subscription(config)
+        self.broker.add_subscription(config)
+        return config
+
+    async def get_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_subscription(request.subscription)
+        return self.broker.subscription(request.subscription).config
+
+    async def update_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_subscription(request.subscription.name)
+        sub = self.broker.subscription(request.subscription.name)
+        updated = _Subscription()
+        updated.CopyFrom(sub.config)
+        _apply_mask(
+            updated,
+            request.subscription,
+            request.update_mask,
+            {"name", "topic", "enable_message_ordering", "enable_exactly_once_delivery", "state"},
+        )
+        _validate_subscription(updated)
+        sub.config = updated
+        return updated
+
+    async def list_subscriptions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        project = parse_project(request.project)
+        prefix = f"projects/{project}/subscriptions/"
+        names = sorted(n for n in self.broker.subscriptions if n.startswith(prefix))
+        page, token = _page(names, request.page_size, request.page_token)
+        configs = [self.broker.subscriptions[n].config for n in page]
+        return types.ListSubscriptionsResponse.pb()(subscriptions=configs, next_page_token=token)
+
+    async def delete_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_subscription(request.subscription)
+        self.broker.delete_subscription(request.subscription)
+        return _Empty()
+
+    async def modify_push_config(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        parse_subscription(request.subscription)
+        sub = self.broker.subscription(request.subscription)
+        if request.push_config.push_endpoint:
+            raise _invalid("push delivery is not supported by this emulator")
+        sub.config.push_config.CopyFrom(request.push_config)
+        return _Empty()
+
+    # -- Subscriber delivery -----------------------------------------------------------------------
+
+    def _subscription(self, name: str) -> Subscription:
+        parse_subscription(name)
+        return self.broker.subscription(name)
+
+    async def acknowledge(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        sub = self._subscription(request.subscription)
+        if not request.ack_ids:
+            raise _invalid("Acknowledge: ack_ids must not be empty")
+        self.broker.acknowledge(sub, request.ack_ids)
+        return _Empty()
+
+    async def modify_ack_deadline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        sub = self._subscription(request.subscription)
+        if not request.ack_ids:
+            raise _invalid("ModifyAckDeadline: ack_ids must not be empty")
+        _check_modack_seconds(request.ack_deadline_seconds)
+        self.broker.modify_deadline(sub, request.ack_ids, request.ack_deadline_seconds)
+        return _Empty()
+
+    async def pull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        sub = self._subscription(request.subscription)
+        if request.max_messages <= 0:
+            raise _invalid(f"Pull: max_messages must be positive (got {request.max_messages})")
+        leases = self.broker.take(sub, None, request.max_messages)
+        if not leases and not request.return_immediately:
+            sub.pull_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sub.pull_wake.wait(), PULL_WAIT_SECONDS)
+            if sub.deleted:
+                raise PubsubError(grpc.StatusCode.NOT_FOUND, f"Subscription does not exist: {sub.name}")
+            leases = self.broker.take(sub, None, request.max_messages)
+        response = types.PullResponse.pb()()
+        _fill(response.received_messages, sub, leases)
+        return response
+
+    async def streaming_pull(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """One StreamingPull stream: a reader task takes acks/modacks, this generator sends messages."""
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            return
+        try:
+            sub, stream = self._open_stream(first)
+        except (PubsubError, InvalidName) as exc:
+            code = exc.code if isinstance(exc, PubsubError) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
+            return
+        reader = asyncio.create_task(self._read_stream(requests, stream))
+        try:
+            while True:
+                stream.wake.clear()
+                if stream.break_code is not None:
+                    if stream.break_code is grpc.StatusCode.OK:
+                        return  # the client half-closed: it is shutting down
+                    await context.abort(stream.break_code, stream.break_message)
+                leases = self.broker.take(sub, stream, 1 << 30)
+                if leases:
+                    response = _StreamingPullResponse()
+                    _fill(response.received_messages, sub, leases)
+                    response.subscription_properties.message_ordering_enabled = sub.config.enable_message_ordering
+                    yield response
+                else:
+                    await stream.wake.wait()
+        finally:
+            reader.cancel()
+            self.broker.close_stream(stream)
+
+    def _open_stream(self, first: Any) -> tuple[Subscription, StreamState]:
+        if not first.subscription:
+            raise _invalid("StreamingPull: the first request must name the subscription")
+        sub = self._subscription(first.subscription)
+        deadline = first.stream_ack_deadline_seconds
+        if not MIN_ACK_DEADLINE_SECONDS <= deadline <= MAX_ACK_DEADLINE_SECONDS:
+            raise _invalid(
+                f"StreamingPull: stream_ack_deadline_seconds must be between {MIN_ACK_DEADLINE_SECONDS} and "
+                f"{MAX_ACK_DEADLINE_SECONDS} (got {deadline})"
+            )
+        self._stream_acks(sub, first)
+        stream = self.broker.open_stream(sub, deadline, first.max_outstanding_messages, first.max_outstanding_bytes)
+        return sub, stream
+
+    def _stream_acks(self, sub: Subscription, request: Any) -> None:
+        if len(request.modify_deadline_ack_ids) != len(request.modify_deadline_seconds):
+            raise _invalid(
+                "StreamingPull: modify_deadline_ack_ids and modify_deadline_seconds must have the same length"
+            )
+        for seconds in request.modify_deadline_seconds:
+            _check_modack_seconds(seconds)
+        if request.ack_ids:
+            self.broker.acknowledge(sub, request.ack_ids)
+        for ack_id, seconds in zip(request.modify_deadline_ack_ids, request.modify_deadline_seconds, strict=True):
+            self.broker.modify_deadline(sub, (ack_id,), seconds)
+
+    async def _read_stream(self, requests: AsyncIterator[Any], stream: StreamState) -> None:
+        sub = stream.subscription
+        try:
+            async for request in requests:
+                if request.subscription or request.max_outstanding_messages or request.max_outstanding_bytes:
+                    raise _invalid(
+                        "StreamingPull: subscription and max_outstanding_* may only be set in the first request"
+                    )
+                if request.stream_ack_deadline_seconds:
+                    deadline = request.stream_ack_deadline_seconds
+                    if not MIN_ACK_DEADLINE_SECONDS <= deadline <= MAX_ACK_DEADLINE_SECONDS:
+                        raise _invalid(f"StreamingPull: stream_ack_deadline_seconds out of range (got {deadline})")
+                    stream.deadline_seconds = deadline
+                self._stream_acks(sub, request)
+            stream.end(grpc.StatusCode.OK, "client half-closed the stream")
+        except PubsubError as exc:
+            stream.end(exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport failed under us: end the stream, the client reconnects
+            stream.end(grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
+
+    # -- admin: delay deliveries --------------------------------------------------------------------
+
+    async def _get_delay(self, request: web.Request) -> web.Response:
+        return web.json_response(self.broker.delivery_delay_seconds)
+
+    async def _post_delay(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            seconds = float(body["seconds"])
+            target = str(body.get("subscription", "*"))
+        except (ValueError, KeyError, TypeError) as exc:
+            reason = f"expected JSON {{'seconds': N, 'subscription'?: name}}: {exc}"
+            return web.json_response({"error": reason}, status=400)
+        if not 0 <= seconds <= 3600:
+            return web.json_response({"error": "seconds: must be between 0 and 3600"}, status=400)
+        if target != "*":
+            try:
+                parse_subscription(target)
+            except InvalidName as exc:
+                return web.json_response({"error": f"subscription: {exc}"}, status=400)
+        self.broker.delivery_delay_seconds[target] = seconds
+        return web.json_response(self.broker.delivery_delay_seconds)
+
+    async def _delete_delay(self, request: web.Request) -> web.Response:
+        self.broker.delivery_delay_seconds.clear()
+        return web.json_response({})
+
+
+def _fill(received: Any, sub: Subscription, leases: list[Lease]) -> None:
+    counted = sub.max_delivery_attempts > 0
+    for lease in leases:
+        item = received.add()
+        item.ack_id = lease.ack_id
+        item.message.CopyFrom(lease.pending.message)
+        if counted:
+            item.delivery_attempt = lease.pending.attempts
