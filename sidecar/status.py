@@ -1,0 +1,288 @@
+"""`pubsub-sidecar status --target ADDR [--json]`: what GetStatus says, for operators and scripts.
+
+Rules this module keeps:
+- Rendering is pure: ``status_to_dict`` and ``format_table`` take the GetStatusResponse and the
+  instant to measure ages against (``now``), and read no clock, socket or environment. Only
+  ``run_command`` / ``fetch_and_render`` talk to the sidecar.
+- The JSON document is for scripts: its field names are stable (snake_case, units in the name,
+  instants as RFC 3339 UTC strings, absent values as ``null``, never left out).
+- The table is for people at 3 a.m.: one row per subscription, then for each subscription the keys
+  that wait, with what they wait for, since when and for how long (G4: nothing waits silently).
+  When the sidecar's per-key detail is cut at ``max_keys``, the table says how many waiting keys it
+  does not show.
+- Any failure to get an answer (sidecar unreachable, timeout, unknown subscription) is one line on
+  stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import grpc
+
+from pubsub_sidecar.v1 import sidecar_pb2
+from sidecar.client import get_status
+
+EXIT_FAILED = 1
+"""The sidecar could not be asked, or refused to answer."""
+
+DEFAULT_MAX_KEYS = 50
+"""Per-key detail asked for: the longest-waiting keys come first, and 50 rows still fit a screen's scroll."""
+
+DEFAULT_TIMEOUT_SECONDS = 10.0
+"""A healthy sidecar answers in milliseconds; ten seconds covers a busy event loop, not a hung one."""
+
+WAITING_STATES = ("waiting_sequence", "waiting_watermark", "blocked_dead_letter", "backoff")
+"""KeyStatus states in which a key holds messages back; the table lists these keys."""
+
+_COUNT_ORDER = ("stored", "delivered", "acked", "nacked", "expired", "duplicates", "dead_lettered", "late", "skipped")
+"""Counters shown first, in the order a message meets them; any others follow alphabetically."""
+
+
+# ---- pure conversions ------------------------------------------------------------------------
+
+
+def _rfc3339(instant: datetime) -> str:
+    text = instant.astimezone(UTC).isoformat(timespec="milliseconds")
+    return text.replace("+00:00", "Z")
+
+
+def _timestamp(holder: Any, field_name: str) -> datetime | None:
+    """A Timestamp field as an aware UTC datetime, or None when the field is unset."""
+    if not holder.HasField(field_name):
+        return None
+    return getattr(holder, field_name).ToDatetime(tzinfo=UTC)
+
+
+def _seconds(holder: Any, field_name: str) -> float | None:
+    """A Duration field in seconds, or None when the field is unset."""
+    if not holder.HasField(field_name):
+        return None
+    return getattr(holder, field_name).ToNanoseconds() / 1e9
+
+
+def _optional_int(holder: Any, field_name: str) -> int | None:
+    return int(getattr(holder, field_name)) if holder.HasField(field_name) else None
+
+
+def format_age(seconds: float | None) -> str:
+    """A duration for people: "850ms", "42s", "5m02s", "3h04m", "2d03h"; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    # A clock a little behind the sidecar's gives a small negative age: it means "just now".
+    seconds = max(seconds, 0.0)
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _ordered_counts(counts: dict[str, int]) -> dict[str, int]:
+    known = [name for name in _COUNT_ORDER if name in counts]
+    others = sorted(name for name in counts if name not in _COUNT_ORDER)
+    return {name: counts[name] for name in [*known, *others]}
+
+
+def key_to_dict(key: sidecar_pb2.KeyStatus, now: datetime) -> dict[str, Any]:
+    since = _timestamp(key, "since")
+    return {
+        "key": key.key,
+        "state": key.state,
+        "waiting_for": key.waiting_for,
+        "since": _rfc3339(since) if since is not None else None,
+        "age_seconds": round((now - since).total_seconds(), 3) if since is not None else None,
+        "buffered": key.buffered,
+        "in_flight": key.in_flight,
+        "next_sequence": _optional_int(key, "next_sequence"),
+        "missing_sequence": _optional_int(key, "missing_sequence"),
+    }
+
+
+def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime) -> dict[str, Any]:
+    watermark = _timestamp(sub, "watermark")
+    return {
+        "name": sub.name,
+        "mode": sub.mode,
+        "buffered": sub.buffered,
+        "ready": sub.ready,
+        "in_flight": sub.in_flight,
+        "keys": sub.keys,
+        "keys_blocked": sub.keys_blocked,
+        "oldest_undelivered_age_seconds": _seconds(sub, "oldest_undelivered_age"),
+        "watermark": _rfc3339(watermark) if watermark is not None else None,
+        "watermark_lag_seconds": _seconds(sub, "watermark_lag"),
+        "counts": _ordered_counts(dict(sub.counts)),
+        "keys_detail": [key_to_dict(key, now) for key in sub.keys_detail],
+    }
+
+
+def status_to_dict(response: sidecar_pb2.GetStatusResponse, now: datetime, target: str = "") -> dict[str, Any]:
+    """The JSON document ``--json`` prints (stable field names; see the module docstring)."""
+    return {
+        "target": target,
+        "generated_at": _rfc3339(now),
+        "subscriptions": [subscription_to_dict(sub, now) for sub in response.subscriptions],
+    }
+
+
+def _render_rows(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: frozenset[int]) -> list[str]:
+    """Left-aligned text columns, right-aligned numeric ones, two spaces apart."""
+    widths = [
+        max(len(header[i]), *(len(row[i]) for row in rows)) if rows else len(header[i]) for i in range(len(header))
+    ]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i]) for i, cell in enumerate(cells)]
+        return "  ".join(parts).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _watermark_cell(sub: dict[str, Any]) -> str:
+    if sub["watermark"] is None:
+        return "-"
+    return f"{sub['watermark']} (lag {format_age(sub['watermark_lag_seconds'])})"
+
+
+def format_table(response: sidecar_pb2.GetStatusResponse, now: datetime, target: str = "") -> str:
+    """The human-readable report (ends with a newline)."""
+    document = status_to_dict(response, now, target)
+    lines: list[str] = []
+    if target:
+        lines.append(f"sidecar {target} at {document['generated_at']}")
+        lines.append("")
+    subscriptions = document["subscriptions"]
+    if not subscriptions:
+        lines.append("no subscriptions")
+        return "\n".join(lines) + "\n"
+
+    header = (
+        "SUBSCRIPTION", "MODE", "BUFFERED", "READY", "IN FLIGHT", "KEYS", "BLOCKED", "OLDEST UNDELIVERED", "WATERMARK",
+    )  # fmt: skip
+    rows = [
+        (
+            sub["name"],
+            sub["mode"],
+            str(sub["buffered"]),
+            str(sub["ready"]),
+            str(sub["in_flight"]),
+            str(sub["keys"]),
+            str(sub["keys_blocked"]),
+            format_age(sub["oldest_undelivered_age_seconds"]),
+            _watermark_cell(sub),
+        )
+        for sub in subscriptions
+    ]
+    lines.extend(_render_rows(header, rows, numeric=frozenset({2, 3, 4, 5, 6, 7})))
+
+    for sub in subscriptions:
+        lines.append("")
+        lines.extend(_subscription_details(sub))
+    return "\n".join(lines) + "\n"
+
+
+def _subscription_details(sub: dict[str, Any]) -> list[str]:
+    lines = [f"{sub['name']}:"]
+    if sub["counts"]:
+        lines.append("  counts: " + " ".join(f"{name}={value}" for name, value in sub["counts"].items()))
+    waiting = [key for key in sub["keys_detail"] if key["state"] in WAITING_STATES]
+    if not waiting:
+        if sub["keys_blocked"]:
+            # The sidecar cut the per-key detail before reaching any waiting key.
+            lines.append(f"  {sub['keys_blocked']} keys wait; none in the per-key detail the sidecar returned")
+        else:
+            lines.append("  no keys waiting")
+        return lines
+    header = ("KEY", "STATE", "WAITING FOR", "SINCE", "AGE", "BUFFERED", "IN FLIGHT")
+    rows = [
+        (
+            key["key"],
+            key["state"],
+            key["waiting_for"] or "-",
+            key["since"] or "-",
+            format_age(key["age_seconds"]),
+            str(key["buffered"]),
+            str(key["in_flight"]),
+        )
+        for key in waiting
+    ]
+    lines.append(f"  keys waiting ({len(waiting)} of {sub['keys_blocked']}, longest first):")
+    lines.extend("    " + row for row in _render_rows(header, rows, numeric=frozenset({4, 5, 6})))
+    hidden = sub["keys_blocked"] - len(waiting)
+    if hidden > 0:
+        lines.append(f"    ... and {hidden} more waiting keys not shown")
+    return lines
+
+
+def format_json(response: sidecar_pb2.GetStatusResponse, now: datetime, target: str = "") -> str:
+    return json.dumps(status_to_dict(response, now, target), indent=2) + "\n"
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+
+def describe_rpc_error(target: str, error: grpc.RpcError) -> str:
+    """One line saying what went wrong, for stderr."""
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    name = code.name if isinstance(code, grpc.StatusCode) else "ERROR"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        reason = f"cannot reach the sidecar at {target}"
+    else:
+        reason = f"the sidecar at {target} refused GetStatus"
+    # gRPC details can span lines (a list of addresses tried): keep the report to one line.
+    details = " ".join(details.split())
+    return f"pubsub-sidecar status: {reason}: {name}" + (f": {details}" if details else "")
+
+
+async def fetch_and_render(
+    target: str,
+    *,
+    as_json: bool = False,
+    max_keys: int = DEFAULT_MAX_KEYS,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Ask the sidecar at ``target`` and print the report; returns the exit code."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    try:
+        response = await get_status(target, "", max_keys=max_keys, timeout_seconds=timeout_seconds)
+    except grpc.RpcError as exc:
+        print(describe_rpc_error(target, exc), file=err)
+        return EXIT_FAILED
+    now = datetime.now(UTC)
+    out.write(format_json(response, now, target) if as_json else format_table(response, now, target))
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Entry point for ``pubsub-sidecar status``."""
+    target = str(args.target).strip()
+    if not target:
+        print("pubsub-sidecar status: --target must be host:port or unix:///path, got an empty string", file=sys.stderr)
+        return EXIT_FAILED
+    return asyncio.run(
+        fetch_and_render(
+            target,
+            as_json=bool(args.json),
+            max_keys=int(getattr(args, "max_keys", DEFAULT_MAX_KEYS)),
+            timeout_seconds=float(getattr(args, "timeout", DEFAULT_TIMEOUT_SECONDS)),
+        )
+    )
