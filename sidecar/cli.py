@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show what GetStatus says")
     status.add_argument("--target", required=True, help="sidecar address, host:port or unix:///path")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--max-keys", type=int, default=50, help="waiting keys to show per subscription")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the sidecar")
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
     bench.add_argument("--quick", action="store_true")

@@ -1,0 +1,713 @@
+"""Ingest: Pub/Sub StreamingPull -> classify -> store.persist (batched) -> runtime -> ack.
+
+Rules (G1 in DESIGN §1 depends on each of them):
+
+- **Ack only what is safe.** A Pub/Sub message is acked only after the store said it is durable
+  (STORED, after ``runtime.on_stored``; or DUPLICATE: an earlier copy is durable), or after the
+  dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good). Nothing is
+  ever acked on a failure path, and nothing is ever dropped: a message not acked is nacked or left
+  to its lease, and Pub/Sub delivers it again.
+- **Threads.** The subscriber's callback runs on the client's threads and only hands the message to
+  the event loop with ``loop.call_soon_threadsafe``. Everything else happens on the loop.
+- **Store failure: nack after a backoff.** FAILED results and ``StoreError`` keep the message leased
+  for a capped exponential backoff (with jitter, growing with consecutive failed batches), then nack
+  it so that Pub/Sub redelivers it at once. Chosen over letting the lease lapse because the lease
+  is the client's business (its leaser extends it for up to ``max_lease_duration``, one hour by
+  default) and a lapse would take an ack deadline or that hour; an immediate nack would make a
+  hot redelivery loop during a store outage. While messages wait out their backoff they still
+  count against the client's flow control, so pulling slows down by itself during an outage.
+- **Dead letters.** Malformed messages and CONFLICTs are published to the dead-letter topic,
+  retried with backoff until the topic takes them (the client keeps the lease meanwhile), and
+  acked only then. A subscription without a ``dead_letter_topic`` cannot do that: such a message
+  is nacked after the maximum backoff, so it stays in Pub/Sub (where the subscription's own
+  dead-letter policy, if any, applies) and an error is logged each time.
+- **Flow control, two levels.** ``FlowControl(max_messages, max_bytes)`` bounds what the client
+  holds un-acked (received, being classified, persisted or dead-lettered). Above that, when
+  ``runtime.undelivered()`` (messages releasable or in flight to the app, never those held for
+  ordering: DESIGN §4, backpressure without deadlock) exceeds ``max_undelivered_messages``, no new
+  batch is persisted. Received messages are then held un-acked, so the client's flow control
+  fills up and pauses the stream, and Pub/Sub keeps the backlog. Chosen over cancelling and
+  restarting the streaming pull because a cancel nacks what the client holds (a redelivery burst on
+  resume), restarts cost a new stream, and the held messages are exactly what is persisted first on
+  resume. ``undelivered`` is re-read every ``pause_poll_seconds`` while paused (the runtime has no
+  "acked" event to wait on); pulling resumes once it is back at or under the limit.
+- **Failure is loud.** A streaming pull that ends for good (NOT_FOUND, PERMISSION_DENIED, ...) makes
+  ``run()`` raise ``IngestError`` naming the subscription and the status; transient stream errors
+  are retried by the client itself.
+- **Stop.** ``stop()`` takes no new batch, lets persists and dead-letter publishes in progress
+  finish within the grace period and acks what they made safe, stops the streaming pull (the client
+  sends queued acks before its dispatcher stops), and then nacks everything else it holds with its
+  own ModifyAckDeadline calls: nacked on the open stream, they would come straight back to it.
+- Payloads never appear in logs; ids, counts and reasons do. Only this module and
+  ``sidecar.deadletter`` import Pub/Sub.
+
+Known limit: the Python client hands messages that carry a Pub/Sub ``ordering_key`` to the callback
+one per ordering key at a time, until the previous one is acked or nacked. Such keys therefore
+ingest one message per persist round trip (about ``batch_window_seconds`` plus a store commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import logging
+import random
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.api_core import exceptions as api_exceptions
+from google.cloud import pubsub_v1
+from google.cloud.pubsub_v1.subscriber.futures import StreamingPullFuture
+from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
+
+from sidecar.classify import Malformed, classify
+from sidecar.config import SubscriptionConfig
+from sidecar.deadletter import DeadLetterPublisher
+from sidecar.engine.types import Message
+from sidecar.runtime import SubscriptionRuntime
+from sidecar.store_api import IncomingMessage, PersistOutcome, Store, StoreError, StoreRejected
+
+_LOGGER = logging.getLogger(__name__)
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_ONE_MS = datetime.timedelta(milliseconds=1)
+
+_MAX_BATCH_MESSAGES = 500
+"""Firestore's BatchWrite takes at most 500 writes: one persist call maps onto one such request."""
+
+_MAX_BATCH_BYTES = 8 * 1024 * 1024
+"""Bounds the data of one persist call (Firestore requests are capped at 10 MiB; the store splits
+larger messages itself, this keeps one call's memory and latency bounded)."""
+
+_BATCH_WINDOW_SECONDS = 0.010
+"""Wait this long for a batch to fill: 10 ms adds little latency next to a store commit, and at
+1,000 msg/s it turns ten single-message commits into one."""
+
+_MAX_CONCURRENT_PERSISTS = 2
+"""Two persist calls overlap so that one batch fills while the previous one commits."""
+
+_BACKOFF_INITIAL_SECONDS = 0.25
+"""First nack delay after a failed persist: store blips usually clear within this."""
+
+_BACKOFF_MAXIMUM_SECONDS = 10.0
+"""Cap on the nack delay and the dead-letter retry delay: an outage costs one redelivery per message
+per 10 s, and a recovered store or topic is used again within 10 s."""
+
+_PAUSE_POLL_SECONDS = 0.05
+"""How often ``undelivered`` is re-read while pulling is paused: a fraction of an app's ack latency."""
+
+_MAX_LEASE_DURATION_SECONDS = 3600.0
+"""The client's default: a message held longer is released from lease management and redelivered
+(harmless: the copy is a DUPLICATE by then, or persisted if the first never was)."""
+
+_DRAIN_GRACE_SECONDS = 10.0
+"""Default wait in ``stop()`` for persists and dead-letter publishes in progress."""
+
+_MAX_IDS_PER_MODACK = 1000
+"""Pub/Sub accepts at most 1000 ack ids per ModifyAckDeadline call."""
+
+_PULL_SHUTDOWN_SECONDS = 10.0
+"""How long ``stop()`` waits for the client to shut the stream down and flush its acks and nacks."""
+
+
+class IngestError(Exception):
+    """Ingest cannot continue for this subscription (e.g. the streaming pull ended for good)."""
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Cumulative counts for metrics; plain attributes read by the observability layer."""
+
+    received: int = 0
+    """Pub/Sub deliveries handed to the callback (redeliveries included)."""
+    malformed: int = 0
+    duplicates: int = 0
+    persisted: int = 0
+    """Messages the store newly made durable (STORED)."""
+    persist_failures: int = 0
+    """Messages whose persist failed (each is nacked after a backoff and comes back)."""
+    persist_batches: int = 0
+    conflicts: int = 0
+    rejected: int = 0
+    """Messages the store refused for good (StoreRejected): dead-lettered."""
+    dead_lettered: int = 0
+    dead_letter_failures: int = 0
+    acked: int = 0
+    nacked: int = 0
+    pauses: int = 0
+    """Times pulling paused because ``undelivered`` was over ``max_undelivered_messages``."""
+
+
+@dataclass(slots=True)
+class _Item:
+    """A received message waiting to be persisted, with what classify made of it."""
+
+    message: PubsubMessage
+    incoming: IncomingMessage
+
+
+class Ingestor:
+    """Pulls one subscription, persists what it receives, acks only what the store made durable."""
+
+    def __init__(
+        self,
+        sub_config: SubscriptionConfig,
+        store: Store,
+        runtime: SubscriptionRuntime,
+        dead_letters: DeadLetterPublisher,
+        *,
+        subscriber: pubsub_v1.SubscriberClient | None = None,
+        max_batch_messages: int = _MAX_BATCH_MESSAGES,
+        max_batch_bytes: int = _MAX_BATCH_BYTES,
+        batch_window_seconds: float = _BATCH_WINDOW_SECONDS,
+        max_concurrent_persists: int = _MAX_CONCURRENT_PERSISTS,
+        backoff_initial_seconds: float = _BACKOFF_INITIAL_SECONDS,
+        backoff_maximum_seconds: float = _BACKOFF_MAXIMUM_SECONDS,
+        pause_poll_seconds: float = _PAUSE_POLL_SECONDS,
+        max_lease_duration_seconds: float = _MAX_LEASE_DURATION_SECONDS,
+        clock: Callable[[], int] | None = None,
+    ) -> None:
+        if max_batch_messages < 1:
+            raise ValueError(f"max_batch_messages must be >= 1, got {max_batch_messages}")
+        if max_concurrent_persists < 1:
+            raise ValueError(f"max_concurrent_persists must be >= 1, got {max_concurrent_persists}")
+        if not 0 < backoff_initial_seconds <= backoff_maximum_seconds:
+            raise ValueError("backoff: need 0 < backoff_initial_seconds <= backoff_maximum_seconds")
+        self._config = sub_config
+        self.name = sub_config.name
+        self.subscription_path = sub_config.subscription
+        self._store = store
+        self._runtime = runtime
+        self._dead_letters = dead_letters
+        self._subscriber = subscriber
+        self._owns_subscriber = subscriber is None
+        flow = sub_config.flow_control
+        self._max_undelivered = flow.max_undelivered_messages
+        self._flow_control = pubsub_v1.types.FlowControl(
+            max_messages=flow.max_outstanding_messages,
+            max_bytes=flow.max_outstanding_bytes,
+            max_lease_duration=max_lease_duration_seconds,
+        )
+        self._max_batch_messages = max_batch_messages
+        self._max_batch_bytes = max_batch_bytes
+        self._batch_window_seconds = batch_window_seconds
+        self._max_concurrent_persists = max_concurrent_persists
+        self._backoff_initial_seconds = backoff_initial_seconds
+        self._backoff_maximum_seconds = backoff_maximum_seconds
+        self._pause_poll_seconds = pause_poll_seconds
+        self._clock = clock if clock is not None else runtime.now_ms
+
+        self.counters = IngestCounters()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pull: StreamingPullFuture | None = None
+        self._pull_done: asyncio.Future[Any] | None = None
+        """``_pull`` as an asyncio future; it ends cancelled after our own ``_pull.cancel()``."""
+        self._worker: asyncio.Task[None] | None = None
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._pending_bytes = 0
+        self._pending_wake = asyncio.Event()
+        self._batch_full = asyncio.Event()
+        self._persist_slots = asyncio.Semaphore(max_concurrent_persists)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._unsettled: dict[str, PubsubMessage] = {}
+        """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
+        self._nack_timers: dict[str, asyncio.TimerHandle] = {}
+        self._consecutive_failures = 0
+        self._task_failure: BaseException | None = None
+        self._paused = False
+        self._stopping = False
+        self._stopped = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def is_paused(self) -> bool:
+        """True while no batch is persisted because ``undelivered`` is over the limit."""
+        return self._paused
+
+    @property
+    def is_healthy(self) -> bool:
+        """Pulling and processing: started, not stopping, and neither the stream nor the worker ended."""
+        return (
+            self._pull_done is not None
+            and not self._pull_done.done()
+            and self._worker is not None
+            and not self._worker.done()
+            and not self._stopping
+        )
+
+    @property
+    def held_messages(self) -> int:
+        """Messages received and not yet acked or nacked (persisting, waiting, or dead-lettering)."""
+        return len(self._unsettled)
+
+    async def start(self) -> None:
+        """Open the streaming pull. The runtime must have recovered (it receives what is stored)."""
+        if self._pull is not None:
+            raise RuntimeError(f"ingest of {self.name!r}: start() called twice")
+        if self._stopping:
+            raise RuntimeError(f"ingest of {self.name!r}: start() after stop()")
+        if not self._runtime.is_ready:
+            raise RuntimeError(f"ingest of {self.name!r}: the subscription runtime has not recovered")
+        self._loop = asyncio.get_running_loop()
+        if self._subscriber is None:
+            # Made here, not at import: it reads PUBSUB_EMULATOR_HOST at construction.
+            self._subscriber = pubsub_v1.SubscriberClient()
+        self._worker = asyncio.create_task(self._batch_loop(), name=f"ingest:{self.name}")
+        self._pull = self._subscriber.subscribe(
+            self.subscription_path,
+            callback=self._callback,
+            flow_control=self._flow_control,
+            # The shutdown then waits for callbacks in progress, so that once the pull future is done
+            # every message handed to us has reached _on_message (stop() gives them all back).
+            await_callbacks_on_shutdown=True,
+        )
+        self._pull_done = asyncio.wrap_future(self._pull)
+        _LOGGER.info(
+            "ingest of %s started on %s (max outstanding %d messages, max undelivered %s)",
+            self.name,
+            self.subscription_path,
+            self._flow_control.max_messages,
+            self._max_undelivered,
+        )
+
+    async def run(self) -> None:
+        """Start if needed and wait until ``stop()``; raises ``IngestError`` if pulling ends otherwise."""
+        if self._pull is None:
+            await self.start()
+        assert self._pull_done is not None and self._worker is not None
+        try:
+            # asyncio.wait never cancels what it waits on: a cancelled run() leaves both to _abort().
+            await asyncio.wait({self._pull_done, self._worker}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                self._abort()
+            raise
+        if self._stopping:
+            return
+        failure = self._failure()
+        self._abort()
+        raise failure
+
+    async def stop(self, grace_seconds: float = _DRAIN_GRACE_SECONDS) -> None:
+        """Take no new work, finish what is in progress within ``grace_seconds``, give back the rest.
+
+        Idempotent. Order: stop batching -> drain persists and dead-letter publishes (their acks go
+        out through the client) -> stop the streaming pull (which flushes those acks) -> nack every
+        message still held -> close the client.
+        """
+        if self._stopped:
+            return
+        self._stopping = True
+        self._stopped = True
+        errors: list[BaseException] = []
+        if self._worker is not None:
+            self._worker.cancel()
+            await _wait_cancelled(self._worker)
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace_seconds)
+            if pending:
+                _LOGGER.warning(
+                    "ingest of %s: %d persists or dead-letter publishes unfinished after %.1fs; their "
+                    "messages are given back",
+                    self.name,
+                    len(pending),
+                    grace_seconds,
+                )
+            for task in pending:
+                task.cancel()
+            for task in list(self._tasks):
+                await _wait_cancelled(task)
+        if self._pull is not None and self._pull_done is not None:
+            self._pull.cancel()
+            # asyncio.wait, not await: once cancel() was called the client's future reports itself
+            # cancelled, so the wrapper ends "cancelled" when the shutdown completes; that is success.
+            done, _ = await asyncio.wait({self._pull_done}, timeout=_PULL_SHUTDOWN_SECONDS)
+            if not done:
+                errors.append(IngestError(f"ingest of {self.name!r}: streaming pull did not shut down"))
+            elif not self._pull_done.cancelled():
+                self._pull_done.exception()  # retrieved: a failure was reported by run() already
+        await self._give_back()
+        if self._owns_subscriber and self._subscriber is not None:
+            try:
+                self._subscriber.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]
+
+    async def ping(self, timeout_seconds: float = 5.0) -> bool:
+        """True if Pub/Sub answers for this subscription now (GetSubscription); for readiness checks."""
+        subscriber = self._subscriber
+        if subscriber is None:
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(
+                    None,
+                    lambda: subscriber.get_subscription(
+                        subscription=self.subscription_path, retry=None, timeout=timeout_seconds
+                    ),
+                ),
+                timeout_seconds + 1.0,
+            )
+        except (api_exceptions.GoogleAPICallError, TimeoutError, ValueError) as exc:
+            _LOGGER.warning("ingest of %s: Pub/Sub ping failed: %s", self.name, exc)
+            return False
+        return True
+
+    # ---- receiving (callback thread -> loop) -----------------------------------------------
+
+    def _callback(self, message: PubsubMessage) -> None:
+        """Runs on a client thread: only hands over to the loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _on_message(self, message: PubsubMessage) -> None:
+        self.counters.received += 1
+        self._unsettled[message.ack_id] = message
+        if self._stopping:
+            return  # held; stop() nacks it with the rest
+        attributes = dict(message.attributes)
+        try:
+            result = classify(
+                self._config,
+                message.data,
+                attributes,
+                message.ordering_key,
+                message.message_id,
+                _publish_time_ms(message),
+            )
+        except Exception:
+            # A bug of ours, not the message's fault: never dead-letter on it, never crash on it.
+            _LOGGER.exception("ingest of %s: classify failed on message %s", self.name, message.message_id)
+            self._nack_later(message, self._backoff_maximum_seconds)
+            return
+        if isinstance(result, Malformed):
+            self.counters.malformed += 1
+            self._spawn(self._dead_letter_then_ack(message, f"malformed: {result.reason}", key=""))
+            return
+        self._pending.append(_Item(message=message, incoming=result))
+        self._pending_bytes += len(message.data)
+        self._pending_wake.set()
+        if len(self._pending) >= self._max_batch_messages or self._pending_bytes >= self._max_batch_bytes:
+            self._batch_full.set()
+
+    # ---- batching and persisting -----------------------------------------------------------
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._pending_wake.wait()
+            if not self._batch_full.is_set() and self._batch_window_seconds > 0:
+                try:
+                    await asyncio.wait_for(self._batch_full.wait(), self._batch_window_seconds)
+                except TimeoutError:
+                    pass
+            await self._maybe_wait_while_over_limit()
+            await self._persist_slots.acquire()
+            batch = self._take_batch()
+            if not batch:
+                self._persist_slots.release()
+                continue
+            self._spawn(self._persist_batch(batch), release_slot=True)
+
+    def _take_batch(self) -> list[_Item]:
+        batch: list[_Item] = []
+        size = 0
+        while self._pending and len(batch) < self._max_batch_messages:
+            item_size = len(self._pending[0].message.data)
+            if batch and size + item_size > self._max_batch_bytes:
+                break
+            item = self._pending.popleft()
+            batch.append(item)
+            size += item_size
+        self._pending_bytes -= size
+        if len(self._pending) < self._max_batch_messages and self._pending_bytes < self._max_batch_bytes:
+            self._batch_full.clear()
+        if not self._pending:
+            self._pending_wake.clear()
+        return batch
+
+    async def _maybe_wait_while_over_limit(self) -> None:
+        limit = self._max_undelivered
+        if limit is None or self._runtime.undelivered() <= limit:
+            return
+        self._paused = True
+        self.counters.pauses += 1
+        _LOGGER.info(
+            "ingest of %s paused: %d undelivered messages, over the limit of %d",
+            self.name,
+            self._runtime.undelivered(),
+            limit,
+        )
+        try:
+            # Polled: the runtime has no event for "the app acked" (module docstring).
+            while self._runtime.undelivered() > limit:  # noqa: ASYNC110
+                await asyncio.sleep(self._pause_poll_seconds)
+        finally:
+            self._paused = False
+        _LOGGER.info("ingest of %s resumed: %d undelivered", self.name, self._runtime.undelivered())
+
+    async def _persist_batch(self, batch: list[_Item]) -> None:
+        self.counters.persist_batches += 1
+        try:
+            results = await self._store.persist(self.name, [item.incoming for item in batch], self._clock())
+        except StoreRejected as exc:
+            if len(batch) == 1:
+                self._dead_letter_rejected(batch[0], exc)
+                return
+            # Which message the store refused is unknown: try each alone, so one bad message
+            # neither poisons its batch mates nor returns forever.
+            for item in batch:
+                await self._persist_batch([item])
+            return
+        except StoreError as exc:
+            self._on_persist_failed(batch, exc)
+            return
+        if len(results) != len(batch):
+            _LOGGER.error(
+                "ingest of %s: store returned %d results for %d messages", self.name, len(results), len(batch)
+            )
+            self._on_persist_failed(batch, StoreError("result count mismatch"))
+            return
+
+        stored: list[Message] = []
+        stored_items: list[_Item] = []
+        failed: list[_Item] = []
+        first_error: StoreError | None = None
+        for item, result in zip(batch, results, strict=True):
+            outcome = result.outcome
+            if outcome is PersistOutcome.STORED:
+                stored.append(result.message)
+                stored_items.append(item)
+            elif outcome is PersistOutcome.DUPLICATE:
+                self.counters.duplicates += 1
+                self._ack(item.message)
+            elif outcome is PersistOutcome.CONFLICT:
+                self.counters.conflicts += 1
+                self._spawn(self._dead_letter_then_ack(item.message, "conflict", key=item.incoming.key))
+            elif isinstance(result.error, StoreRejected):
+                self._dead_letter_rejected(item, result.error)
+            else:
+                failed.append(item)
+                first_error = first_error or result.error
+        if stored:
+            # The engine learns of them before Pub/Sub forgets them: an ack first could lose them
+            # if on_stored failed (they are durable, but only a restart would load them).
+            self._runtime.on_stored(stored)
+            self.counters.persisted += len(stored)
+            for item in stored_items:
+                self._ack(item.message)
+        if failed:
+            self._on_persist_failed(failed, first_error or StoreError("persist failed"))
+        else:
+            self._consecutive_failures = 0
+
+    def _on_persist_failed(self, items: Sequence[_Item], error: BaseException) -> None:
+        delay = self._backoff_seconds(self._consecutive_failures)
+        self._consecutive_failures += 1
+        self.counters.persist_failures += len(items)
+        _LOGGER.warning(
+            "ingest of %s: persist of %d messages failed (%s); nacking them in %.2fs",
+            self.name,
+            len(items),
+            error,
+            delay,
+        )
+        for item in items:
+            self._nack_later(item.message, delay)
+
+    # ---- dead letters ----------------------------------------------------------------------
+
+    def _dead_letter_rejected(self, item: _Item, error: StoreError) -> None:
+        self.counters.rejected += 1
+        self._spawn(self._dead_letter_then_ack(item.message, f"store_rejected: {error}", key=item.incoming.key))
+
+    async def _dead_letter_then_ack(self, message: PubsubMessage, reason: str, *, key: str) -> None:
+        """Publish to the dead-letter topic until it takes the message, then ack (never before)."""
+        if self._dead_letters.topic_for(self.name) is None:
+            _LOGGER.error(
+                "ingest of %s: message %s needs dead-lettering (%s) but the subscription has no "
+                "dead_letter_topic; leaving it in Pub/Sub",
+                self.name,
+                message.message_id,
+                reason,
+            )
+            self.counters.dead_letter_failures += 1
+            self._nack_later(message, self._backoff_maximum_seconds)
+            return
+        attempt = 0
+        while True:
+            try:
+                await self._dead_letters.publish_raw(
+                    self.name,
+                    data=message.data,
+                    attributes=dict(message.attributes),
+                    reason=reason,
+                    message_id=message.message_id,
+                    key=key,
+                    ordering_key=message.ordering_key,
+                )
+                break
+            except Exception as exc:
+                self.counters.dead_letter_failures += 1
+                _LOGGER.warning(
+                    "ingest of %s: dead-letter publish of %s failed (attempt %d): %s; retrying",
+                    self.name,
+                    message.message_id,
+                    attempt + 1,
+                    exc,
+                )
+            await asyncio.sleep(self._backoff_seconds(attempt))
+            attempt += 1
+        self.counters.dead_lettered += 1
+        self._ack(message)
+
+    # ---- settling --------------------------------------------------------------------------
+
+    def _ack(self, message: PubsubMessage) -> None:
+        if self._unsettled.pop(message.ack_id, None) is None:
+            return
+        message.ack()
+        self.counters.acked += 1
+
+    def _nack(self, message: PubsubMessage) -> None:
+        self._nack_timers.pop(message.ack_id, None)
+        if self._unsettled.pop(message.ack_id, None) is None:
+            return
+        message.nack()
+        self.counters.nacked += 1
+
+    def _nack_later(self, message: PubsubMessage, delay_seconds: float) -> None:
+        assert self._loop is not None
+        self._nack_timers[message.ack_id] = self._loop.call_later(delay_seconds, self._nack, message)
+
+    async def _give_back(self) -> None:
+        """Nack everything still held, with our own ModifyAckDeadline calls, once the stream is closed.
+
+        Not ``message.nack()``: after the stream closed the client's dispatcher is gone and would drop
+        them, and before it closed Pub/Sub would send them straight back to this stream.
+        """
+        for handle in self._nack_timers.values():
+            handle.cancel()
+        self._nack_timers.clear()
+        ack_ids = list(self._unsettled)
+        self._unsettled.clear()
+        self._pending.clear()
+        self._pending_bytes = 0
+        subscriber = self._subscriber
+        if not ack_ids or subscriber is None:
+            return
+        for start in range(0, len(ack_ids), _MAX_IDS_PER_MODACK):
+            chunk = ack_ids[start : start + _MAX_IDS_PER_MODACK]
+            try:
+                await asyncio.to_thread(
+                    subscriber.modify_ack_deadline,
+                    subscription=self.subscription_path,
+                    ack_ids=chunk,
+                    ack_deadline_seconds=0,
+                    timeout=_PULL_SHUTDOWN_SECONDS,
+                )
+            except api_exceptions.GoogleAPICallError as exc:
+                # No loss: their leases run out and Pub/Sub redelivers them a little later.
+                _LOGGER.warning("ingest of %s: giving back %d messages failed: %s", self.name, len(chunk), exc)
+                continue
+            self.counters.nacked += len(chunk)
+        _LOGGER.info("ingest of %s: %d unpersisted messages given back to Pub/Sub", self.name, len(ack_ids))
+
+    def _nack_all(self) -> int:
+        for handle in self._nack_timers.values():
+            handle.cancel()
+        self._nack_timers.clear()
+        messages = list(self._unsettled.values())
+        for message in messages:
+            self._nack(message)
+        self._pending.clear()
+        self._pending_bytes = 0
+        return len(messages)
+
+    def _abort(self) -> None:
+        """Immediate teardown after a failure or cancellation: no draining, everything given back."""
+        self._stopping = True
+        if self._worker is not None:
+            self._worker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        self._nack_all()
+        if self._pull is not None:
+            self._pull.cancel()
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None], *, release_slot: bool = False) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._tasks.discard(finished)
+            if release_slot:
+                self._persist_slots.release()
+            if not finished.cancelled() and finished.exception() is not None:
+                # A bug (the store contract or the runtime broke): fail run() loudly.
+                _LOGGER.critical("ingest of %s: task failed", self.name, exc_info=finished.exception())
+                if self._task_failure is None:
+                    self._task_failure = finished.exception()
+                if self._worker is not None and not self._worker.done():
+                    self._worker.cancel()
+
+        task.add_done_callback(done)
+
+    def _failure(self) -> IngestError:
+        if self._task_failure is not None:
+            error = IngestError(f"ingest of {self.name!r} failed: {self._task_failure!r}")
+            error.__cause__ = self._task_failure
+            return error
+        if self._worker is not None and self._worker.done() and not self._worker.cancelled():
+            exc = self._worker.exception()
+            error = IngestError(f"ingest of {self.name!r} failed: {exc!r}")
+            error.__cause__ = exc
+            return error
+        assert self._pull_done is not None
+        if self._pull_done.done() and not self._pull_done.cancelled():
+            exc = self._pull_done.exception()
+            if exc is not None:
+                error = IngestError(
+                    f"streaming pull of {self.subscription_path} (subscription {self.name!r}) ended: {_describe(exc)}"
+                )
+                error.__cause__ = exc
+                return error
+        return IngestError(f"streaming pull of {self.subscription_path} (subscription {self.name!r}) ended")
+
+    def _backoff_seconds(self, attempt: int) -> float:
+        """Capped exponential backoff with jitter (half to full), so that retries spread out."""
+        ceiling = min(self._backoff_maximum_seconds, self._backoff_initial_seconds * 2 ** min(attempt, 32))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def _publish_time_ms(message: PubsubMessage) -> int:
+    """Publish time in integer ms since the epoch, computed exactly (no float rounding)."""
+    publish_time = message.publish_time
+    if publish_time.tzinfo is None:
+        publish_time = publish_time.replace(tzinfo=datetime.UTC)
+    return (publish_time - _EPOCH) // _ONE_MS
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, api_exceptions.GoogleAPICallError):
+        return f"{exc.__class__.__name__} ({exc.code}): {exc.message}"
+    return f"{exc.__class__.__name__}: {exc}"
+
+
+async def _wait_cancelled(task: asyncio.Task[Any]) -> None:
+    """Await a task we cancelled. Its own failure is not raised here: ``run()`` reports it."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # we ourselves are being cancelled
+    except Exception:
+        pass
