@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the sidecar")
     run.add_argument("--config", required=True, help="YAML config file")
     run.add_argument("--log-format", choices=["json", "text"], default="json")
-    run.add_argument("--log-level", default="INFO")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     run.add_argument(
         "--grace-period",
         type=float,

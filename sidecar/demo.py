@@ -222,7 +222,7 @@ async def _run(stack: EmulatorStack, pubsub: DemoPubSub, orders: int, rng: rando
     print("summary")
     print(f"  published:            {len(sent)} ({total} events + {len(sent) - total} duplicates)")
     print(f"  duplicates dropped:   {duplicates_dropped} (the sidecar's own count)")
-    print(f"  delivered:            {consumer.delivered} of {total} in {elapsed:.1f}s")
+    print(f"  delivered:            {consumer.delivered} of {total} in {elapsed * 1000:.0f} ms")
     print(f"  redelivered:          {consumer.redelivered}")
     print(f"  out of order:         {consumer.out_of_order}")
     ok = consumer.delivered == total and consumer.out_of_order == 0 and sidecar.failure is None
