@@ -1,0 +1,339 @@
+"""Wires one running sidecar together: start in dependency order, stop in reverse.
+
+This module only wires; every component does its own job (``ingest``, ``store``, ``runtime``,
+``delivery``, ``watermark``, ``observability``). It installs the process's one signal handler.
+
+Start: store and dead-letter publisher -> one runtime per subscription -> gRPC server (health
+NOT_SERVING) and HTTP endpoint -> recover every runtime from the store (streams opened meanwhile are
+told to retry: nothing is delivered before recovery) -> runtimes' background work -> ingest and
+watermark sources -> health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on
+ADDR, HTTP on ADDR`` (with the bound ports, so port 0 works).
+
+Stop (SIGTERM/SIGINT), all within ``grace_seconds``: /readyz and gRPC health NOT_SERVING -> stop
+pulling (ingest gives back what it did not persist) -> drain the app streams (outstanding acks are
+confirmed, what is left is given back: it is pending in Firestore and delivered again after a
+restart) -> stop runtimes (queued acks commit) -> close clients. Every step runs even if an earlier
+one failed. A component that fails for good stops the process the same way with exit code 1, so
+that Kubernetes restarts it; an invalid config file exits 2 with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from sidecar.config import ConfigError, SidecarConfig, SubscriptionConfig, config_error_exit, load_config
+from sidecar.deadletter import DeadLetterPublisher
+from sidecar.grpc_server import GrpcServer
+from sidecar.ingest import Ingestor
+from sidecar.logs import setup_logging
+from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
+from sidecar.runtime import SubscriptionRuntime
+from sidecar.store import FirestoreStore, SubscriptionStoreConfig
+from sidecar.watermark import WatermarkSource
+
+_LOGGER = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+"""A command line the user must fix (the same code as a bad config file)."""
+
+_STOP_STEP_TIMEOUT_SECONDS = 10.0
+"""Bound on each shutdown step besides the stream drain, so that a hung client cannot eat the pod's
+termination grace period."""
+
+_AFTER_DRAIN_RESERVE_FRACTION = 0.2
+"""Share of the grace period kept for the steps after the stream drain (ack commits, closing
+clients): the drain may use the rest, and the whole shutdown still ends within the grace period."""
+
+
+@dataclass
+class _Subscription:
+    config: SubscriptionConfig
+    runtime: SubscriptionRuntime
+    ingestor: Ingestor
+    watermark: WatermarkSource | None = None
+
+
+@dataclass
+class Sidecar:
+    """One running sidecar; ``serve()`` runs until ``request_stop()`` or a component failure."""
+
+    config: SidecarConfig
+    grace_seconds: float = 25.0
+    metrics: Metrics = field(default_factory=Metrics)
+    failure: BaseException | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _watchers: dict[asyncio.Future[object], str] = field(default_factory=dict)
+    """Long-running tasks of the components (ingest, watermark, runtime): one ending means failure."""
+
+    def request_stop(self) -> None:
+        if not self._stop.is_set():
+            _LOGGER.info("stop requested; shutting down within %.1fs", self.grace_seconds)
+        self._stop.set()
+
+    async def serve(self) -> None:
+        # The clients close last, in reverse order of creation, whatever happens in between.
+        async with contextlib.AsyncExitStack() as clients:
+            try:
+                parts = self._build(clients)
+            except Exception as exc:  # e.g. no credentials, a bad address: one clear line, exit 1
+                self.failure = exc
+                _LOGGER.critical("cannot start: %s", _describe(exc), exc_info=exc)
+                return
+            subs, grpc_server, http, readiness = parts
+            stopped: list[str] = []
+            try:
+                await self._run(subs, grpc_server, http, readiness)
+            except Exception as exc:  # a startup failure (cannot listen, ...): stop what did start
+                self.failure = exc
+                _LOGGER.critical("sidecar failed: %s", _describe(exc), exc_info=exc)
+            finally:
+                readiness.mark_shutting_down()
+                errors = await _shutdown(subs, grpc_server, http, self.grace_seconds, stopped)
+                for step, exc in errors:
+                    _LOGGER.error("shutdown step %s failed: %r", step, exc)
+                await _collect(self._watchers)
+                _LOGGER.info("sidecar stopped (%s)", ", ".join(stopped))
+
+    def _build(
+        self, clients: contextlib.AsyncExitStack
+    ) -> tuple[dict[str, _Subscription], GrpcServer, HttpEndpoint, Readiness]:
+        """Make every component (nothing runs yet); registers the clients' close in ``clients``."""
+        config = self.config
+        store = FirestoreStore(
+            config.project,
+            {
+                sub.name: SubscriptionStoreConfig(
+                    mode=sub.ordering.mode,
+                    dedup_ttl_ms=sub.engine_config().dedup_ttl_ms,
+                    on_dead_letter=sub.delivery.on_dead_letter,
+                    sequence_start=sub.engine_config().sequence_start,
+                )
+                for sub in config.subscriptions
+            },
+            database=config.firestore.database,
+            root=config.firestore.root,
+        )
+        clients.push_async_callback(_close_quietly, "store", store.close)
+        dead_letters = DeadLetterPublisher({sub.name: sub.dead_letter_topic for sub in config.subscriptions})
+        clients.push_async_callback(_close_quietly, "dead-letter publisher", dead_letters.aclose)
+        subs: dict[str, _Subscription] = {}
+        for sub in config.subscriptions:
+            runtime = SubscriptionRuntime(sub.name, sub.engine_config(), store, dead_letters)
+            ingestor = Ingestor(sub, store, runtime, dead_letters)
+            subs[sub.name] = _Subscription(sub, runtime, ingestor, _watermark_source(sub, runtime))
+        grpc_server = GrpcServer({name: s.runtime for name, s in subs.items()}, config.listen)
+        checks: dict[str, Callable[[], Awaitable[None]]] = {"firestore": store.ping}
+        checks.update({f"pubsub:{name}": _pubsub_check(s.ingestor) for name, s in subs.items()})
+        readiness = Readiness(checks)
+        self.metrics.add_collector(lambda: _metrics_snapshot(subs.values()))
+        http = HttpEndpoint(config.http, self.metrics, readiness)
+        return subs, grpc_server, http, readiness
+
+    async def _run(
+        self, subs: dict[str, _Subscription], grpc_server: GrpcServer, http: HttpEndpoint, readiness: Readiness
+    ) -> None:
+        grpc_address = await grpc_server.start()
+        await http.start()
+        for s in subs.values():
+            if self._stop.is_set():
+                return
+            await s.runtime.recover()
+            await s.runtime.start()
+        watchers = self._watchers
+        for name, s in subs.items():
+            await s.ingestor.start()
+            watchers[asyncio.ensure_future(s.ingestor.run())] = f"ingest of {name}"
+            if s.watermark is not None:
+                watchers[asyncio.ensure_future(s.watermark.run())] = f"watermark source of {name}"
+            if s.runtime.task is not None:
+                watchers[s.runtime.task] = f"runtime of {name}"
+        await grpc_server.set_serving()
+        readiness.mark_recovered()
+        http_address = f"{self.config.http.rpartition(':')[0]}:{http.bound_port}"
+        _LOGGER.info("sidecar ready: %d subscriptions, gRPC on %s, HTTP on %s", len(subs), grpc_address, http_address)
+
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({stop_wait, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        for task in done:
+            if task is stop_wait:
+                continue
+            what = watchers[task]
+            if not task.cancelled() and task.exception() is not None:
+                self.failure = task.exception()
+                _LOGGER.critical("%s failed; stopping: %s", what, self.failure, exc_info=self.failure)
+            else:
+                self.failure = RuntimeError(f"{what} ended unexpectedly")
+                _LOGGER.critical("%s ended unexpectedly; stopping", what)
+
+
+async def _collect(watchers: dict[asyncio.Future[object], str]) -> None:
+    """After shutdown: the components' tasks have ended (stop() ends them); cancel any that did not,
+    and retrieve every outcome so that none is reported as "never retrieved"."""
+    for task in watchers:
+        if not task.done():
+            task.cancel()
+    results = await asyncio.gather(*watchers, return_exceptions=True)
+    for (_task, what), result in zip(watchers.items(), results, strict=True):
+        if isinstance(result, Exception):
+            _LOGGER.debug("%s ended with %r", what, result)
+
+
+def _watermark_source(sub: SubscriptionConfig, runtime: SubscriptionRuntime) -> WatermarkSource | None:
+    ordering = sub.ordering
+    if ordering.mode != "watermark":
+        return None
+    # The subscription name is resolved to projects/P/subscriptions/S when the config is loaded.
+    _, project, _, subscription_id = sub.subscription.split("/")
+    return WatermarkSource(
+        project=project,
+        subscription_id=subscription_id,
+        poll_interval_s=ordering.watermark.poll_interval_ms / 1000,
+        safety_margin_ms=ordering.watermark.safety_margin_ms,
+        allowed_skew_ms=ordering.timestamp.allowed_skew_ms or 0,
+        max_metric_delay_ms=ordering.watermark.max_metric_delay_ms,
+        on_watermark=runtime.advance_watermark,
+    )
+
+
+def _pubsub_check(ingestor: Ingestor) -> Callable[[], Awaitable[None]]:
+    async def check() -> None:
+        if not await ingestor.ping():
+            raise ConnectionError(f"Pub/Sub does not answer for {ingestor.subscription_path}")
+
+    return check
+
+
+def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics]:
+    now_ms = time.time_ns() // 1_000_000
+    snapshots = []
+    for s in subs:
+        if not s.runtime.is_ready and s.runtime.failure is None:
+            continue  # still recovering (or stopping): no engine numbers yet
+        try:
+            status, _ = s.runtime.status(max_keys=0)
+        except Exception:  # the engine is gone (stopping): skip rather than fail the scrape
+            continue
+        counts = status.counts
+        dead = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_lettered:")}
+        oldest = status.oldest_undelivered_ms
+        lag = None
+        if s.watermark is not None and s.watermark.watermark_ms is not None:
+            lag = max(0.0, (now_ms - s.watermark.watermark_ms) / 1000)
+        ingest = s.ingestor.counters
+        snapshots.append(
+            SubscriptionMetrics(
+                subscription=s.config.name,
+                received=ingest.received,
+                malformed=ingest.malformed,
+                duplicates=ingest.duplicates + counts.get("duplicates", 0),
+                delivered=counts.get("delivered", 0),
+                acked=counts.get("acked", 0),
+                nacked=counts.get("nacked", 0) + counts.get("expired", 0),
+                late=counts.get("late", 0),
+                dead_lettered=dead,
+                buffered=status.buffered,
+                in_flight=status.in_flight,
+                keys_blocked=status.keys_blocked,
+                oldest_undelivered_age_seconds=0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000),
+                watermark_lag_seconds=lag,
+            )
+        )
+    return snapshots
+
+
+async def _shutdown(
+    subs: dict[str, _Subscription],
+    grpc_server: GrpcServer,
+    http: HttpEndpoint,
+    grace_seconds: float,
+    stopped: list[str],
+) -> list[tuple[str, BaseException]]:
+    """Stop the servers and components (the clients close after); every step runs even when an
+    earlier one failed; errors are collected, not raised.
+
+    A loop of awaited steps rather than ``gather``: the order is the point (no new messages before
+    the streams drain, no closed client under a running component).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_seconds
+    reserve = grace_seconds * _AFTER_DRAIN_RESERVE_FRACTION
+    errors: list[tuple[str, BaseException]] = []
+
+    def left(keep: float = 0.0) -> float:
+        return max(0.1, deadline - keep - loop.time())
+
+    async def step(name: str, coro: Awaitable[object], limit_seconds: float = _STOP_STEP_TIMEOUT_SECONDS) -> None:
+        try:
+            await asyncio.wait_for(coro, limit_seconds)
+            stopped.append(name)
+        except Exception as exc:
+            errors.append((name, exc))
+
+    await step("health", grpc_server.enter_graceful_shutdown())
+    for name, s in subs.items():
+        if s.watermark is not None:
+            await step(f"watermark:{name}", s.watermark.close())
+        # Persists in progress finish (their messages are then acked to Pub/Sub); the rest is nacked.
+        ingest_grace = min(5.0, left(reserve) / 2)
+        await step(f"ingest:{name}", s.ingestor.stop(grace_seconds=ingest_grace), ingest_grace + 15.0)
+    drain = left(reserve)
+    await step("grpc", grpc_server.stop(drain), drain + _STOP_STEP_TIMEOUT_SECONDS)
+    for name, s in subs.items():
+        commit = min(5.0, left())
+        await step(f"runtime:{name}", s.runtime.stop(grace_seconds=commit), commit + _STOP_STEP_TIMEOUT_SECONDS)
+    await step("http", http.stop())
+    return errors
+
+
+async def _close_quietly(name: str, close: Callable[[], Awaitable[object]]) -> None:
+    """Close one client within a bound; a failure is logged, and the next client still closes."""
+    try:
+        await asyncio.wait_for(close(), _STOP_STEP_TIMEOUT_SECONDS)
+    except Exception as exc:
+        _LOGGER.error("closing the %s failed: %r", name, exc)
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def _main(config: SidecarConfig, grace_seconds: float) -> int:
+    sidecar = Sidecar(config, grace_seconds=grace_seconds)
+    loop = asyncio.get_running_loop()
+    # The one place that installs signal handlers for this process (STYLE: two servers each
+    # registering their own would replace each other).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, sidecar.request_stop)
+    await sidecar.serve()
+    return EXIT_FAILURE if sidecar.failure is not None else EXIT_OK
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``pubsub-sidecar run --config FILE``."""
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return config_error_exit(exc)
+    if not args.grace_period > 0:
+        print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        setup_logging(args.log_format, args.log_level)
+    except ValueError as exc:
+        print(f"pubsub-sidecar: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return asyncio.run(_main(config, args.grace_period))
