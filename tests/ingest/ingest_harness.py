@@ -11,8 +11,8 @@ import asyncio
 from typing import Any
 
 from pubsub_admin import WAIT_SECONDS, PubSubAdmin
-from sidecar.config import SubscriptionConfig
 
+from sidecar.config import SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.ingest import Ingestor
