@@ -1,0 +1,460 @@
+"""The benchmark's scenarios: what each publishes, how it consumes and what it measures.
+
+Every scenario runs against one shared emulators process, on its own topic, subscription and
+Firestore root, and (except the baseline) with its own sidecar process, so CPU and peak RSS belong
+to that scenario alone. A scenario has two phases on the same subscription:
+
+- **throughput**: publish the whole stream as fast as the official publisher goes while the app
+  consumes; messages/s = distinct messages delivered / (last delivery - first publish).
+- **latency**: publish at a fixed, modest rate (far below every consumer's capacity), so that
+  publish-to-app latency is the pipeline's own, not the queueing delay of a backlog. Same rate for
+  the baseline and the sidecar, so their p99 compare. The sidecar's latency runs from the instant
+  a message became due in its key's order (the latest publish among it and its predecessors): a
+  shuffled message waits for a predecessor published after it, and that wait is the workload's.
+  The latency from its own publish is in the JSON (``own_publish_p50_ms``/``_p99_ms``).
+
+The stream: messages round-robin over K keys with sequences 1, 2, ...; 10% are swapped with the
+next message of their key (so they arrive out of order) and 1% are published a second time (a
+publisher retry: same key, sequence and dedup attribute, a new message_id). The baseline counts
+every published message (it cannot tell a retry); the sidecar counts distinct messages only.
+
+Firestore reads, writes and deletes are per distinct delivered message over both phases, counted
+from after the sidecar is ready until after it exits (a SIGTERM drains, so deferred deletes count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import (
+    TIMESTAMP_ATTRIBUTE,
+    BenchError,
+    Emulators,
+    Outgoing,
+    PubSub,
+    Sidecar,
+    cpu_seconds,
+    peak_rss_mb,
+    percentile,
+    wait_until,
+    write_sidecar_config,
+)
+from sidecar.client import OrderedSubscriber
+
+SHUFFLED_FRACTION = 0.10
+DUPLICATED_FRACTION = 0.01
+
+METRIC_PERIOD_SECONDS = 1.0
+METRIC_DELAY_SECONDS = 2.0
+"""The Monitoring emulator's sampling period and visibility delay: short, so watermark mode's latency
+(about period + delay, against 60 s + 120 s in production) fits a benchmark run."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How big one run is. ``hot_key_messages`` for the one-key scenario, whose every message is a
+    full round trip (max_in_flight_per_key 1)."""
+
+    messages: int
+    hot_key_messages: int
+    many_keys_messages: int
+    latency_messages: int
+    latency_rate_per_second: float
+    recovery_pending: int
+    recovery_keys: int
+
+
+SIZES: dict[str, Sizes] = {
+    "smoke": Sizes(200, 100, 200, 40, 100.0, 200, 20),
+    "quick": Sizes(3_000, 1_000, 3_000, 400, 200.0, 10_000, 1_000),
+    "full": Sizes(50_000, 10_000, 100_000, 3_000, 200.0, 100_000, 10_000),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    kind: str
+    """"baseline", "sidecar" or "recovery"."""
+    mode: str = "sequence"
+    keys: int = 100
+    description: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("baseline", "baseline", "raw", 100, "official subscriber, no-op callback"),
+        Scenario("seq-1key", "sidecar", "sequence", 1, "sequence mode, one hot key"),
+        Scenario("seq-100keys", "sidecar", "sequence", 100, "sequence mode, 100 keys"),
+        Scenario("seq-10000keys", "sidecar", "sequence", 10_000, "sequence mode, 10,000 keys"),
+        Scenario("dedup-100keys", "sidecar", "none", 100, "dedup only (mode none), 100 keys"),
+        Scenario("watermark-100keys", "sidecar", "watermark", 100, "watermark mode, 100 keys"),
+        Scenario("recovery", "recovery", "sequence", 0, "start to /readyz with N pending"),
+    )
+}
+
+PRESETS: dict[str, tuple[str, list[str]]] = {
+    "smoke": ("smoke", ["baseline", "seq-100keys"]),
+}
+"""Scenario names that stand for a size profile and a list of scenarios."""
+
+
+@dataclass
+class Result:
+    """One table row (and one JSON file). None: not measured by this scenario."""
+
+    scenario: str
+    description: str
+    messages: int = 0
+    messages_per_second: float | None = None
+    ratio_to_baseline: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    reads_per_message: float | None = None
+    writes_deletes_per_message: float | None = None
+    cpu_seconds_per_10k: float | None = None
+    peak_rss_mb: float | None = None
+    ready_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_stream(count: int, keys: int, phase: str, key_prefix: str, seed: int) -> tuple[list[Outgoing], int]:
+    """``count`` distinct messages over ``keys`` keys, shuffled and duplicated as the module says.
+    Returns the publish order and the number of distinct messages."""
+    rng = random.Random(seed)
+    keys = max(1, min(keys, count))
+    stream = [Outgoing(f"{key_prefix}{i % keys}", i // keys + 1, phase) for i in range(count)]
+    for index in range(count):
+        # The next message of the same key is `keys` places later in round-robin order.
+        if rng.random() < SHUFFLED_FRACTION and index + keys < count:
+            stream[index], stream[index + keys] = stream[index + keys], stream[index]
+    with_retries: list[Outgoing] = []
+    for message in stream:
+        with_retries.append(message)
+        if rng.random() < DUPLICATED_FRACTION:
+            with_retries.append(message)
+    return with_retries, count
+
+
+def _subscription_entry(scenario: Scenario, subscription: str) -> dict[str, Any]:
+    key = {"attribute": "order_id"}
+    ordering: dict[str, Any]
+    if scenario.mode == "sequence":
+        ordering = {"mode": "sequence", "key": key, "sequence": {"attribute": "seq", "start": 1}}
+    elif scenario.mode == "watermark":
+        period_plus_delay = METRIC_PERIOD_SECONDS + METRIC_DELAY_SECONDS
+        ordering = {
+            "mode": "watermark",
+            "key": key,
+            "timestamp": {"source": "publish_time"},
+            "watermark": {
+                "poll_interval": "500ms",
+                "safety_margin": "0s",
+                "max_metric_delay": f"{period_plus_delay:g}s",
+            },
+        }
+    elif scenario.mode == "none":
+        ordering = {"mode": "none", "key": key}
+    else:
+        raise BenchError(f"scenario {scenario.name!r}: unknown mode {scenario.mode!r}")
+    entry: dict[str, Any] = {"name": "bench", "subscription": subscription, "ordering": ordering}
+    # Sequence mode dedups by (key, sequence); the others need the publisher's retry-stable id.
+    entry["dedup"] = {"attribute": "event_id", "ttl": "1h"}
+    return entry
+
+
+class _App:
+    """The no-op app: reads through ``OrderedSubscriber`` and acks every message at once."""
+
+    def __init__(self, target: str) -> None:
+        self._subscriber = OrderedSubscriber(target, "bench")
+        self.distinct: set[str] = set()
+        self.redeliveries = 0
+        self.last_at = 0.0
+        self.latencies: list[float] = []
+        """Publish-to-app from the instant order allowed delivery (see ``_read``)."""
+        self.own_publish_latencies: list[float] = []
+        """Publish-to-app from the message's own publish, shuffle waits included."""
+        self._key_ready: dict[str, float] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._subscriber.start()
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for message in self._subscriber:
+            now = time.time()
+            await message.ack()
+            identity = message.attributes["event_id"]
+            if identity in self.distinct:
+                self.redeliveries += 1
+                continue
+            self.distinct.add(identity)
+            self.last_at = now
+            if message.attributes.get("phase") == "latency":
+                published = float(message.attributes[TIMESTAMP_ATTRIBUTE])
+                # A shuffled message cannot be delivered before its predecessor, published after
+                # it: that wait is the workload's, not the sidecar's. Messages reach the app in key
+                # order, so the running maximum of publish instants is when this one became due.
+                due = max(published, self._key_ready.get(message.key, 0.0))
+                self._key_ready[message.key] = due
+                self.latencies.append(now - due)
+                self.own_publish_latencies.append(now - published)
+            self._changed.set()
+
+    async def wait_for(self, count: int, within_seconds: float) -> None:
+        deadline = time.monotonic() + within_seconds
+        while len(self.distinct) < count:
+            if self._task is not None and self._task.done():
+                self._task.result()
+                raise BenchError("the app's stream ended")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"the app got {len(self.distinct)} of {count} messages in {within_seconds:.0f}s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            except TimeoutError:
+                continue
+
+    async def stop(self) -> None:
+        await self._subscriber.close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def _wait_acks_durable(sidecar: Sidecar, count: int) -> None:
+    await asyncio.to_thread(
+        wait_until,
+        lambda: sidecar.metric("pubsub_sidecar_acked_total") >= count,
+        _phase_timeout(count),
+        f"the sidecar to make {count} app acks durable",
+        0.1,
+    )
+
+
+def _phase_timeout(count: int) -> float:
+    """Deadline for a phase: generous (shared, noisy cores) yet finite."""
+    return 120.0 + count / 20.0
+
+
+def _messages_for(scenario: Scenario, sizes: Sizes) -> int:
+    if scenario.keys == 1:
+        return sizes.hot_key_messages
+    if scenario.keys >= 10_000:
+        return sizes.many_keys_messages
+    return sizes.messages
+
+
+class Runner:
+    """Runs scenarios against one emulators process; ``workdir`` holds the sidecar configs."""
+
+    def __init__(self, emulators: Emulators, pubsub: PubSub, sizes: Sizes, workdir: Path) -> None:
+        self.emulators = emulators
+        self.pubsub = pubsub
+        self.sizes = sizes
+        self.workdir = workdir
+
+    def _new_subscription(self, scenario: Scenario) -> str:
+        return self.pubsub.create(f"{scenario.name}-{uuid.uuid4().hex[:8]}")
+
+    async def run(self, scenario: Scenario) -> Result:
+        if scenario.kind == "baseline":
+            return await self._baseline(scenario)
+        if scenario.kind == "sidecar":
+            return await self._sidecar(scenario)
+        return await self._recovery(scenario)
+
+    def _latency_stream(self, scenario: Scenario) -> tuple[list[Outgoing], int]:
+        return build_stream(self.sizes.latency_messages, scenario.keys, "latency", "lat-", seed=2)
+
+    async def _baseline(self, scenario: Scenario) -> Result:
+        subscription = self._new_subscription(scenario)
+        stream, _ = build_stream(self.sizes.messages, scenario.keys, "throughput", "k-", seed=1)
+        latency_stream, _ = self._latency_stream(scenario)
+        result, wait = self.pubsub.start_baseline(subscription)
+        try:
+            started = await asyncio.to_thread(self.pubsub.publish, subscription, stream)
+            await asyncio.to_thread(wait, len(stream), _phase_timeout(len(stream)))
+            elapsed = result.last_at - started
+            rate = self.sizes.latency_rate_per_second
+            await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
+            total = len(stream) + len(latency_stream)
+            await asyncio.to_thread(wait, total, _phase_timeout(len(latency_stream)))
+        finally:
+            await asyncio.to_thread(result.stop)
+        return Result(
+            scenario.name,
+            scenario.description,
+            messages=len(stream),
+            messages_per_second=len(stream) / elapsed,
+            ratio_to_baseline=1.0,
+            p50_ms=_ms(percentile(result.latencies, 0.50)),
+            p99_ms=_ms(percentile(result.latencies, 0.99)),
+        )
+
+    async def _sidecar(self, scenario: Scenario) -> Result:
+        subscription = self._new_subscription(scenario)
+        count = _messages_for(scenario, self.sizes)
+        stream, distinct = build_stream(count, scenario.keys, "throughput", "k-", seed=1)
+        latency_stream, latency_distinct = self._latency_stream(scenario)
+        total_distinct = distinct + latency_distinct
+        config = write_sidecar_config(
+            self.workdir / f"{scenario.name}.yaml",
+            root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
+            subscription=_subscription_entry(scenario, subscription),
+        )
+        sidecar = Sidecar(config, self.emulators.env)
+        sidecar.start()
+        app: _App | None = None
+        try:
+            await asyncio.to_thread(sidecar.wait_ready)
+            self.emulators.reset_firestore_counters()
+            cpu_before = cpu_seconds(sidecar.pid)
+            app = _App(sidecar.grpc)
+            app.start()
+            started = await asyncio.to_thread(self.pubsub.publish, subscription, stream)
+            await app.wait_for(distinct, _phase_timeout(count))
+            elapsed = app.last_at - started
+            # The latency phase starts on a settled sidecar, so that it measures the pipeline and
+            # not the tail of the throughput phase's ack commits.
+            await _wait_acks_durable(sidecar, distinct)
+            rate = self.sizes.latency_rate_per_second
+            await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
+            await app.wait_for(total_distinct, _phase_timeout(len(latency_stream)))
+            # CPU up to the point where every ack is durable: that work belongs to these messages.
+            await _wait_acks_durable(sidecar, total_distinct)
+            cpu_used = cpu_seconds(sidecar.pid) - cpu_before
+            rss = peak_rss_mb(sidecar.pid)
+            duplicates_dropped = sidecar.metric("pubsub_sidecar_duplicates_total")
+            dead_lettered = sidecar.metric("pubsub_sidecar_dead_lettered_total")
+            error_logs = sidecar.error_log_lines()
+        finally:
+            if app is not None:
+                await app.stop()
+            exit_code = await asyncio.to_thread(sidecar.stop)
+        counters = self.emulators.firestore_counters()
+        return Result(
+            scenario.name,
+            scenario.description,
+            messages=distinct,
+            messages_per_second=distinct / elapsed,
+            p50_ms=_ms(percentile(app.latencies, 0.50)),
+            p99_ms=_ms(percentile(app.latencies, 0.99)),
+            reads_per_message=counters["reads"] / total_distinct,
+            writes_deletes_per_message=(counters["writes"] + counters["deletes"]) / total_distinct,
+            cpu_seconds_per_10k=cpu_used / total_distinct * 10_000,
+            peak_rss_mb=rss,
+            extra={
+                "keys": scenario.keys,
+                "mode": scenario.mode,
+                "published": len(stream) + len(latency_stream),
+                "distinct": total_distinct,
+                "duplicates_dropped": duplicates_dropped,
+                "redeliveries_to_app": app.redeliveries,
+                "own_publish_p50_ms": _ms(percentile(app.own_publish_latencies, 0.50)),
+                "own_publish_p99_ms": _ms(percentile(app.own_publish_latencies, 0.99)),
+                "dead_lettered": dead_lettered,
+                "sidecar_error_log_lines": len(error_logs),
+                "first_sidecar_error": error_logs[0] if error_logs else None,
+                "firestore": counters,
+                "latency_rate_per_second": rate,
+                "sidecar_exit_code": exit_code,
+            },
+        )
+
+    async def _recovery(self, scenario: Scenario) -> Result:
+        """Fill Firestore with N pending messages through a sidecar with no app, restart it and
+        time start to /readyz (what a pod restart costs)."""
+        subscription = self._new_subscription(scenario)
+        pending = self.sizes.recovery_pending
+        keys = self.sizes.recovery_keys
+        stream = [Outgoing(f"r-{i % keys}", i // keys + 1, "recovery") for i in range(pending)]
+        entry = _subscription_entry(Scenario(scenario.name, "sidecar", "sequence", keys), subscription)
+        # No app drains the backlog: without this the sidecar would (rightly) stop pulling at
+        # 10,000 undelivered messages and leave the rest in Pub/Sub.
+        entry["flow_control"] = {"max_undelivered_messages": None}
+        config = write_sidecar_config(
+            self.workdir / f"{scenario.name}.yaml",
+            root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
+            subscription=entry,
+        )
+        sidecar = Sidecar(config, self.emulators.env)
+        sidecar.start()
+        try:
+            await asyncio.to_thread(sidecar.wait_ready)
+            fill_started = time.monotonic()
+            await asyncio.to_thread(self.pubsub.publish, subscription, stream)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
+                _phase_timeout(pending),
+                f"the sidecar to store {pending} messages",
+                0.5,
+            )
+            fill_seconds = time.monotonic() - fill_started
+            await asyncio.to_thread(sidecar.stop)
+            self.emulators.reset_firestore_counters()
+            restart_at = time.monotonic()
+            sidecar.start()
+            await asyncio.to_thread(sidecar.wait_ready, 600.0, 0.02)
+            ready_seconds = time.monotonic() - restart_at
+            loaded = sidecar.metric("pubsub_sidecar_buffered_messages")
+            if loaded < pending:
+                raise BenchError(f"recovery: the restarted sidecar holds {loaded:.0f} of {pending} messages")
+            rss = peak_rss_mb(sidecar.pid)
+            cpu_used = cpu_seconds(sidecar.pid)
+            counters = self.emulators.firestore_counters()
+        finally:
+            await asyncio.to_thread(sidecar.stop)
+        return Result(
+            scenario.name,
+            f"start to /readyz, {pending:,} pending over {keys:,} keys",
+            messages=pending,
+            reads_per_message=counters["reads"] / pending,
+            peak_rss_mb=rss,
+            ready_seconds=ready_seconds,
+            cpu_seconds_per_10k=cpu_used / pending * 10_000,
+            extra={
+                "keys": keys,
+                "fill_seconds": fill_seconds,
+                "fill_messages_per_second": pending / fill_seconds,
+                "firestore_during_recovery": counters,
+                "cpu_seconds_start_to_ready": cpu_used,
+            },
+        )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def resolve(names: Sequence[str] | None, quick: bool) -> tuple[Sizes, str, list[Scenario]]:
+    """The size profile and the scenarios to run, baseline first whenever a sidecar scenario runs
+    (every ratio is to the baseline of the same run)."""
+    profile = "quick" if quick else "full"
+    wanted: list[str] = []
+    for name in names or list(SCENARIOS):
+        if name in PRESETS:
+            profile, members = PRESETS[name]
+            wanted.extend(members)
+        elif name in SCENARIOS:
+            wanted.append(name)
+        else:
+            known = ", ".join([*SCENARIOS, *PRESETS])
+            raise BenchError(f"unknown scenario {name!r}; known: {known}")
+    if any(SCENARIOS[n].kind == "sidecar" for n in wanted) and "baseline" not in wanted:
+        wanted.insert(0, "baseline")
+    ordered = sorted(dict.fromkeys(wanted), key=list(SCENARIOS).index)
+    return SIZES[profile], profile, [SCENARIOS[n] for n in ordered]
