@@ -1,0 +1,617 @@
+"""Real processes for end-to-end tests: the emulators and the sidecar, started as the user would.
+
+Both are started with ``python -m sidecar``; tests talk to them only over the network: the official
+Google clients (publishing, topic and subscription admin, pulling dead letters), the project's app
+client (``sidecar.client.OrderedSubscriber``) and HTTP. Waits are polls with deadlines or events,
+never bare sleeps.
+
+Named ``e2e_harness`` (not ``harness``): test directories have no ``__init__.py``, so their helper
+modules share one namespace, and ``tests/engine/harness.py`` exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from unittest import mock
+
+import yaml
+from google.api_core import exceptions as api_exceptions
+from google.cloud import pubsub_v1
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.client import Message, OrderedSubscriber
+
+_T = TypeVar("_T")
+
+PROJECT = "e2e-project"
+
+START_TIMEOUT_SECONDS = 60.0
+"""Two cores shared with other tests: a cold `python -m sidecar` with the Google clients takes seconds."""
+
+WAIT_SECONDS = 60.0
+"""Default deadline for a test's polls: generous, since other suites may share the two cores."""
+
+
+def wait_until(predicate: Callable[[], _T], timeout: float, what: str, interval: float = 0.05) -> _T:
+    """Poll ``predicate`` until it returns a truthy value; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    predicate: Callable[[], _T], what: str, within_seconds: float = WAIT_SECONDS, interval: float = 0.05
+) -> _T:
+    """``wait_until`` for async tests: the event loop (and the app client on it) keeps running."""
+    timeout = within_seconds
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def async_poll(
+    probe: Callable[[], Awaitable[_T | None]], what: str, within_seconds: float = WAIT_SECONDS, interval: float = 0.1
+) -> _T:
+    """Await ``probe`` until it returns something truthy (e.g. a GetStatus answer showing a state)."""
+    deadline = time.monotonic() + within_seconds
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_seconds:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+class _OutputPump:
+    """Reads a process's output in a thread, keeping every line (for diagnostics and parsing)."""
+
+    def __init__(self, stream: Any, echo_prefix: str | None = None) -> None:
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._echo = echo_prefix
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: Any) -> None:
+        for raw in stream:
+            line = raw.rstrip("\n")
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+            if self._echo is not None:
+                print(f"{self._echo}{line}", file=sys.stderr)
+
+    def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.lines), timeout)
+
+    def snapshot(self) -> list[str]:
+        with self._cond:
+            return list(self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-n:])
+
+
+def _python_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_EMULATOR_HOST")}
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class EmulatorsProcess:
+    """``pubsub-sidecar emulators`` on port 0, with the addresses it printed."""
+
+    metric_period: float = 1.0
+    metric_delay: float = 2.0
+    env: dict[str, str] = field(default_factory=dict)
+    admin_url: str = ""
+    _proc: subprocess.Popen[str] | None = None
+    _out: _OutputPump | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable, "-m", "sidecar", "emulators",
+            "--pubsub-port", "0", "--firestore-port", "0", "--monitoring-port", "0", "--admin-port", "0",
+            "--metric-period", str(self.metric_period), "--metric-delay", str(self.metric_delay),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env({})
+        )
+        self._out = _OutputPump(self._proc.stdout)
+        wanted = ("PUBSUB_EMULATOR_HOST", "FIRESTORE_EMULATOR_HOST", "MONITORING_EMULATOR_HOST", "EMULATORS_ADMIN_URL")
+
+        def has_all(lines: list[str]) -> bool:
+            return all(any(line.startswith(f"export {name}=") for line in lines) for name in wanted)
+
+        if not self._out.wait_for(has_all, START_TIMEOUT_SECONDS):
+            self.stop()
+            raise AssertionError(f"emulators did not start:\n{self._out.tail()}")
+        for line in self._out.snapshot():
+            if line.startswith("export ") and "=" in line:
+                name, _, value = line[len("export ") :].partition("=")
+                value = value.strip().strip("'\"")
+                if name == "EMULATORS_ADMIN_URL":
+                    self.admin_url = value
+                else:
+                    self.env[name] = value
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+
+    # ---- admin API ---------------------------------------------------------------------------
+
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.admin_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            payload = response.read()
+        return json.loads(payload) if payload else None
+
+    def add_fault(self, **rule: Any) -> Any:
+        return self.admin("POST", "/faults", rule)
+
+    def clear_faults(self) -> None:
+        self.admin("DELETE", "/faults")
+
+    def break_streams(self, service: str = "pubsub", code: str = "UNAVAILABLE") -> int:
+        return int(self.admin("POST", "/streams/break", {"service": service, "code": code})["broken"])
+
+    def firestore_counters(self) -> dict[str, int]:
+        return dict(self.admin("GET", "/firestore/counters"))
+
+
+_READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")
+"""``sidecar.app`` logs this once recovery is done; with port 0 it is how a test learns the ports."""
+
+
+@dataclass
+class SidecarProcess:
+    """``pubsub-sidecar run --config FILE`` as a real process; ``grpc``/``http`` are the bound addresses."""
+
+    config_path: Path
+    env: dict[str, str]
+    grace_period: float = 10.0
+    echo: bool = False
+    grpc: str = ""
+    http: str = ""
+    _proc: subprocess.Popen[str] | None = None
+    _out: _OutputPump | None = None
+    _starts: int = 0
+
+    def start(self, wait_ready: bool = True) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError("sidecar already running")
+        cmd = [
+            sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path),
+            "--log-format", "json", "--grace-period", str(self.grace_period),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env(self.env)
+        )
+        self._out = _OutputPump(self._proc.stdout, "[sidecar] " if self.echo else None)
+        self._starts += 1
+        self.grpc = self.http = ""
+        if wait_ready:
+            self.wait_ready()
+
+    def _ready_match(self) -> re.Match[str] | None:
+        for line in self._out.snapshot() if self._out else []:
+            match = _READY_LINE.search(line)
+            if match:
+                return match
+        return None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
+        def ready() -> bool:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise AssertionError(f"sidecar exited with {self._proc.returncode}:\n{self.output_tail()}")
+            match = self._ready_match()
+            if match is None:
+                return False
+            self.grpc, self.http = match["grpc"], match["http"]
+            return self.http_get("/readyz")[0] == 200
+
+        try:
+            wait_until(ready, timeout, "the sidecar's /readyz")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.output_tail()}") from None
+
+    async def async_wait_ready(self, within_seconds: float = START_TIMEOUT_SECONDS) -> None:
+        """``wait_ready`` from an async test: runs in a thread so that the loop keeps serving."""
+        await asyncio.to_thread(self.wait_ready, within_seconds)
+
+    def http_get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://{self.http}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError:
+            return 0, ""
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample from ``/metrics`` (0 when absent), e.g. ``metric("pubsub_sidecar_duplicates_total",
+        subscription="orders")``."""
+        status, body = self.http_get("/metrics")
+        if status != 200:
+            raise AssertionError(f"/metrics answered {status}")
+        total = 0.0
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def kill9(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGKILL)
+        self._proc.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self._proc is not None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+        return self._proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def output_tail(self, n: int = 60) -> str:
+        return self._out.tail(n) if self._out is not None else ""
+
+    def log_records(self) -> list[dict[str, Any]]:
+        records = []
+        for line in self._out.snapshot() if self._out else []:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+
+# ---- config files --------------------------------------------------------------------------------
+
+
+def subscription_entry(
+    name: str,
+    subscription: str,
+    *,
+    mode: str = "sequence",
+    dead_letter_topic: str | None = None,
+    ordering: Mapping[str, Any] | None = None,
+    delivery: Mapping[str, Any] | None = None,
+    dedup: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``subscriptions[]`` entry with test-sized timings (short backoffs and ack deadline)."""
+    order: dict[str, Any] = {"mode": mode}
+    if mode == "sequence":
+        order["key"] = {"attribute": "order_id"}
+        order["sequence"] = {"attribute": "seq", "start": 1}
+    order.update(ordering or {})
+    entry: dict[str, Any] = {
+        "name": name,
+        "subscription": subscription,
+        "ordering": order,
+        "delivery": {
+            "max_in_flight_per_key": 1,
+            "ack_deadline": "10s",
+            "max_delivery_attempts": 5,
+            "backoff": {"initial": "100ms", "maximum": "500ms"},
+            "on_dead_letter": "block",
+            **(delivery or {}),
+        },
+    }
+    if dedup is not None:
+        entry["dedup"] = dict(dedup)
+    if dead_letter_topic is not None:
+        entry["dead_letter_topic"] = dead_letter_topic
+    return entry
+
+
+def write_config(path: Path, *, listen: str, root: str, subscriptions: list[dict[str, Any]]) -> Path:
+    body = {
+        "project": PROJECT,
+        "listen": listen,
+        "http": "127.0.0.1:0",
+        "firestore": {"database": "(default)", "root": root},
+        "subscriptions": subscriptions,
+    }
+    path.write_text(yaml.safe_dump(body, sort_keys=False, allow_unicode=True))
+    return path
+
+
+# ---- Pub/Sub through the official clients ---------------------------------------------------------
+
+
+@contextmanager
+def emulator_env(env: Mapping[str, str]) -> Iterator[None]:
+    """The official clients read ``PUBSUB_EMULATOR_HOST`` at construction: set it just for that."""
+    with mock.patch.dict(os.environ, dict(env)):
+        yield
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    data: bytes
+    attributes: dict[str, str]
+    message_id: str
+
+
+class PubSub:
+    """Topics, subscriptions, publishing and pulling on the emulator, with the official clients."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        with emulator_env(env):
+            self.publisher = pubsub_v1.PublisherClient()
+            self.subscriber = pubsub_v1.SubscriberClient()
+
+    def close(self) -> None:
+        self.publisher.stop()
+        self.subscriber.close()
+
+    def topic(self, prefix: str) -> str:
+        path = f"projects/{PROJECT}/topics/{prefix}-{uuid.uuid4().hex[:8]}"
+        self.publisher.create_topic(name=path)
+        return path
+
+    def subscription(self, topic: str, ack_deadline_seconds: int = 10) -> str:
+        path = topic.replace("/topics/", "/subscriptions/")
+        self.subscriber.create_subscription(name=path, topic=topic, ack_deadline_seconds=ack_deadline_seconds)
+        return path
+
+    async def publish(self, topic: str, data: bytes, **attributes: str) -> str:
+        """Publish one message; returns its message id once the emulator accepted it."""
+        return await asyncio.wrap_future(self.publisher.publish(topic, data, **attributes))
+
+    async def publish_all(self, topic: str, messages: list[tuple[bytes, dict[str, str]]]) -> list[str]:
+        """Publish in the given order (the client batches them); returns the message ids."""
+        futures = [self.publisher.publish(topic, data, **attrs) for data, attrs in messages]
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    def pull_available(self, subscription: str) -> list[Pulled]:
+        """One unary Pull of what is there, acked (a dead-letter topic's subscription)."""
+        try:
+            # Pull waits for messages up to its deadline: a short one keeps the polling loop lively.
+            response = self.subscriber.pull(subscription=subscription, max_messages=100, retry=None, timeout=2.0)
+        except api_exceptions.DeadlineExceeded:
+            return []
+        if response.received_messages:
+            self.subscriber.acknowledge(
+                subscription=subscription, ack_ids=[m.ack_id for m in response.received_messages]
+            )
+        return [
+            Pulled(m.message.data, dict(m.message.attributes), m.message.message_id) for m in response.received_messages
+        ]
+
+    async def pull_until(
+        self, subscription: str, count: int, what: str, within_seconds: float = WAIT_SECONDS
+    ) -> list[Pulled]:
+        """Pull until at least ``count`` messages arrived (from a thread; the loop keeps running)."""
+        pulled: list[Pulled] = []
+
+        def enough() -> bool:
+            pulled.extend(self.pull_available(subscription))
+            return len(pulled) >= count
+
+        await async_wait_until_threaded(enough, what, within_seconds)
+        return pulled
+
+
+async def async_wait_until_threaded(
+    predicate: Callable[[], bool], what: str, within_seconds: float = WAIT_SECONDS
+) -> None:
+    """Poll a blocking predicate in a thread (it makes RPCs) until true or the deadline."""
+    timeout = within_seconds
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One delivery as the app saw it."""
+
+    key: str
+    sequence: int
+    data: bytes
+    message_id: str
+    dedup_id: str
+    delivery_attempt: int
+    skipped: tuple[tuple[int, int], ...]
+    attributes: dict[str, str]
+    at: float
+
+
+Decision = str
+"""What the app does with a message: "ack", "nack", "hold" (keep it unacked) or "dead_letter"."""
+
+
+class App:
+    """The app: reads one subscription through ``OrderedSubscriber``, records and settles each message.
+
+    ``decide(message)`` picks "ack" (the default), "nack", "hold" or "dead_letter". Acked messages
+    whose ack the sidecar confirmed are in ``confirmed`` (by dedup id): G3 says they never come again.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        subscription: str,
+        decide: Callable[[Message], Decision] | None = None,
+        *,
+        max_outstanding_messages: int = 0,
+    ) -> None:
+        self.target = target
+        self.subscription = subscription
+        self.decide = decide or (lambda _m: "ack")
+        self.max_outstanding_messages = max_outstanding_messages
+        self.seen: list[Seen] = []
+        self.held: list[Message] = []
+        self.confirmed_at: dict[tuple[str, int, str], float] = {}
+        """(key, sequence, dedup id) -> when the sidecar confirmed the ack (monotonic clock)."""
+        self.changed = asyncio.Event()
+        self._subscriber: OrderedSubscriber | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._confirm_tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> App:
+        self._subscriber = OrderedSubscriber(
+            self.target,
+            self.subscription,
+            max_outstanding_messages=self.max_outstanding_messages,
+            reconnect_backoff_initial_seconds=0.05,
+            reconnect_backoff_max_seconds=0.5,
+        )
+        self._subscriber.start()
+        self._task = asyncio.create_task(self._read(self._subscriber))
+        return self
+
+    async def _read(self, subscriber: OrderedSubscriber) -> None:
+        async for message in subscriber:
+            self.seen.append(
+                Seen(
+                    message.key,
+                    message.sequence,
+                    message.data,
+                    message.message_id,
+                    message.dedup_id,
+                    message.delivery_attempt,
+                    message.skipped,
+                    dict(message.attributes),
+                    time.monotonic(),
+                )
+            )
+            decision = self.decide(message)
+            if decision == "ack":
+                if await message.ack():
+                    task = asyncio.create_task(self._await_confirmation(message))
+                    self._confirm_tasks.add(task)
+                    task.add_done_callback(self._confirm_tasks.discard)
+            elif decision == "nack":
+                await message.nack()
+            elif decision == "dead_letter":
+                await message.nack(dead_letter=True)
+            else:
+                self.held.append(message)
+            self.changed.set()
+
+    async def _await_confirmation(self, message: Message) -> None:
+        try:
+            await message.confirmed()
+        except Exception:
+            return  # not confirmed: the sidecar may deliver it again, which G3 allows
+        self.confirmed_at.setdefault((message.key, message.sequence, message.dedup_id), time.monotonic())
+
+    async def stop(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._confirm_tasks):
+            task.cancel()
+        await asyncio.gather(*self._confirm_tasks, return_exceptions=True)
+
+    async def ack_held(self) -> int:
+        """Ack every held message still valid (those of a broken stream are redelivered instead)."""
+        held, self.held = self.held, []
+        acked = 0
+        for message in held:
+            if await message.ack():
+                acked += 1
+                task = asyncio.create_task(self._await_confirmation(message))
+                self._confirm_tasks.add(task)
+                task.add_done_callback(self._confirm_tasks.discard)
+        return acked
+
+    # ---- what tests read ---------------------------------------------------------------------
+
+    def by_key(self) -> dict[str, list[Seen]]:
+        keys: dict[str, list[Seen]] = defaultdict(list)
+        for seen in self.seen:
+            keys[seen.key].append(seen)
+        return keys
+
+    def distinct(self) -> set[tuple[str, int, str]]:
+        return {(seen.key, seen.sequence, seen.dedup_id) for seen in self.seen}
+
+
+def check_sequence_guarantees(app: App, expected: Mapping[str, int]) -> None:
+    """G1, G2 and G3 for sequence mode, from what the app saw.
+
+    ``expected`` maps each key to its last sequence (1..N published). Nothing lost: every sequence
+    seen. Order: sequence s reaches the app only after s - 1 did. Dedup: a delivery never comes
+    after the sidecar confirmed an ack of that same message.
+    """
+    per_key = app.by_key()
+    assert set(per_key) == set(expected), f"keys differ: missing {set(expected) - set(per_key)}"
+    for key, deliveries in per_key.items():
+        delivered: set[int] = set()
+        for seen in deliveries:
+            assert seen.sequence == 1 or seen.sequence - 1 in delivered, (
+                f"key {key!r}: sequence {seen.sequence} delivered before {seen.sequence - 1}: "
+                f"{[d.sequence for d in deliveries]}"
+            )
+            confirmed_at = app.confirmed_at.get((key, seen.sequence, seen.dedup_id))
+            assert confirmed_at is None or seen.at < confirmed_at, (
+                f"key {key!r}: sequence {seen.sequence} delivered again after its ack was confirmed"
+            )
+            delivered.add(seen.sequence)
+        assert delivered == set(range(1, expected[key] + 1)), f"key {key!r}: saw {sorted(delivered)}"
+
+
+def order_message(key: str, seq: int | str, **extra: str) -> tuple[bytes, dict[str, str]]:
+    """A sequence-mode message: key in ``order_id``, sequence in ``seq``, data naming both."""
+    return f"{key}#{seq}".encode(), {"order_id": key, "seq": str(seq), **extra}

@@ -1,0 +1,89 @@
+"""End to end, the process contract: config errors exit 2 with one line; probes answer; SIGTERM exits 0
+within the grace period and gives unacked messages back (they come again after a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Scenario
+from e2e_harness import PROJECT, async_wait_until, order_message, subscription_entry, write_config
+
+pytestmark = pytest.mark.e2e
+
+GRACE_SECONDS = 3.0
+
+
+def _run_with_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_invalid_config_exits_2_with_one_line_naming_the_field(tmp_path: Path) -> None:
+    entry = subscription_entry("orders", f"projects/{PROJECT}/subscriptions/orders")
+    entry["delivery"]["max_delivery_attempts"] = "five"
+    path = write_config(tmp_path / "bad.yaml", listen="127.0.0.1:0", root="r", subscriptions=[entry])
+
+    result = _run_with_config(path)
+
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "subscriptions[0].delivery.max_delivery_attempts" in lines[0]
+    assert str(path) in lines[0]
+
+
+def test_missing_config_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = _run_with_config(tmp_path / "absent.yaml")
+
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "absent.yaml" in result.stderr
+
+
+async def test_probes_answer_and_sigterm_exits_0_within_grace_giving_back_unacked_messages(
+    scenario: Scenario,
+) -> None:
+    sub = scenario.add_subscription("orders")
+    # A second subscription in another mode, in the same process.
+    events = scenario.add_subscription("events", mode="none", dead_letter=False)
+    sidecar = await scenario.start_sidecar(grace_period=GRACE_SECONDS)
+    assert sidecar.http_get("/healthz")[0] == 200
+    status, body = sidecar.http_get("/readyz")
+    assert status == 200
+    checks = json.loads(body)["checks"]
+    assert checks["firestore"] == "ok" and checks[f"pubsub:{sub.name}"] == "ok" and checks["pubsub:events"] == "ok"
+    assert sidecar.http_get("/metrics")[0] == 200
+    events_app = scenario.app(events)
+    await scenario.pubsub.publish(events.topic, b"unordered")
+    await async_wait_until(lambda: [s.data for s in events_app.seen] == [b"unordered"], "the none-mode message")
+
+    # The app acks key "a" and holds key "b": at SIGTERM, b#1 is in flight and unacked.
+    app = scenario.app(sub, lambda message: "hold" if message.key == "b" else "ack")
+    for key in ("a", "b"):
+        data, attributes = order_message(key, 1)
+        await scenario.pubsub.publish(sub.topic, data, **attributes)
+    await async_wait_until(lambda: len(app.seen) == 2 and len(app.confirmed_at) == 1, "a#1 confirmed, b#1 held")
+
+    started = time.monotonic()
+    code = await asyncio.to_thread(sidecar.terminate, GRACE_SECONDS + 30)
+    elapsed = time.monotonic() - started
+    assert code == 0, sidecar.output_tail()
+    assert elapsed < GRACE_SECONDS + 5, f"shutdown took {elapsed:.1f}s with a grace period of {GRACE_SECONDS}s"
+
+    # b#1 was given back: after a restart it comes again, and the confirmed a#1 does not.
+    await asyncio.to_thread(sidecar.start, False)
+    await sidecar.async_wait_ready()
+    await async_wait_until(lambda: len(app.seen) >= 3, "b#1 again after the restart")
+    deliveries = [(s.key, s.sequence) for s in app.seen]
+    assert sorted(deliveries[:2]) == [("a", 1), ("b", 1)] and deliveries[2:] == [("b", 1)], deliveries
