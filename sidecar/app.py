@@ -22,21 +22,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.config import ConfigError, SidecarConfig, SubscriptionConfig, config_error_exit, load_config
 from sidecar.deadletter import DeadLetterPublisher
+from sidecar.engine.types import Deliver
 from sidecar.grpc_server import GrpcServer
 from sidecar.ingest import Ingestor
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
 from sidecar.runtime import SubscriptionRuntime
 from sidecar.store import FirestoreStore, SubscriptionStoreConfig
+from sidecar.store_timing import TimedStore
 from sidecar.watermark import WatermarkSource
 
 _LOGGER = logging.getLogger(__name__)
@@ -104,6 +107,16 @@ class Sidecar:
                 await _collect(self._watchers)
                 _LOGGER.info("sidecar stopped (%s)", ", ".join(stopped))
 
+    def _observe_persist(self, subscription: str, seconds: float) -> None:
+        self.metrics.persist_latency.labels(subscription).observe(seconds)
+
+    def _observe_deliveries(self, subscription: str, deliveries: Sequence[Deliver], now_ms: int) -> None:
+        histogram = self.metrics.publish_to_delivery.labels(subscription)
+        for delivery in deliveries:
+            payload = delivery.message.payload
+            if delivery.attempt == 1 and payload is not None:
+                histogram.observe(max(0, now_ms - payload.publish_time_ms) / 1000)
+
     def _build(
         self, clients: contextlib.AsyncExitStack
     ) -> tuple[dict[str, _Subscription], GrpcServer, HttpEndpoint, Readiness]:
@@ -126,10 +139,19 @@ class Sidecar:
         clients.push_async_callback(_close_quietly, "store", store.close)
         dead_letters = DeadLetterPublisher({sub.name: sub.dead_letter_topic for sub in config.subscriptions})
         clients.push_async_callback(_close_quietly, "dead-letter publisher", dead_letters.aclose)
+        # Ingest persists through the timing wrapper (persist-latency histogram); delivery reports each
+        # batch it hands out (publish-to-delivery histogram, first attempts only).
+        timed_store = TimedStore(store, self._observe_persist)
         subs: dict[str, _Subscription] = {}
         for sub in config.subscriptions:
-            runtime = SubscriptionRuntime(sub.name, sub.engine_config(), store, dead_letters)
-            ingestor = Ingestor(sub, store, runtime, dead_letters)
+            runtime = SubscriptionRuntime(
+                sub.name,
+                sub.engine_config(),
+                store,
+                dead_letters,
+                on_delivered=functools.partial(self._observe_deliveries, sub.name),
+            )
+            ingestor = Ingestor(sub, timed_store, runtime, dead_letters)
             subs[sub.name] = _Subscription(sub, runtime, ingestor, _watermark_source(sub, runtime))
         grpc_server = GrpcServer({name: s.runtime for name, s in subs.items()}, config.listen)
         checks: dict[str, Callable[[], Awaitable[None]]] = {"firestore": store.ping}

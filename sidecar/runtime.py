@@ -124,6 +124,7 @@ class SubscriptionRuntime:
         *,
         clock: Callable[[], int] = wall_clock_ms,
         id_prefix: str | None = None,
+        on_delivered: Callable[[Sequence[Deliver], int], None] | None = None,
     ) -> None:
         self.name = name
         self._config = engine_config
@@ -132,6 +133,8 @@ class SubscriptionRuntime:
         self._clock = clock
         # Delivery ids must not repeat across restarts of the sidecar, so each process gets its own.
         self._id_prefix = id_prefix if id_prefix is not None else f"{secrets.token_hex(4)}-"
+        self._on_delivered = on_delivered
+        """Observer of every batch ``take`` hands out, with ``now_ms`` (metrics: publish-to-delivery)."""
         self._engine: Engine | None = None
         self._stopping = False
         self.failure: BaseException | None = None
@@ -295,9 +298,12 @@ class SubscriptionRuntime:
         engine = self._engine
         if engine is None or max_messages <= 0 or not self.is_ready:
             return []
-        deliveries = engine.take(consumer, max_messages, self._clock())
+        now_ms = self._clock()
+        deliveries = engine.take(consumer, max_messages, now_ms)
         if deliveries:
             self._maybe_wake_timer()
+            if self._on_delivered is not None:
+                self._on_delivered(deliveries, now_ms)
         return deliveries
 
     def submit_ack(self, consumer: str, delivery_ids: Sequence[str]) -> AckTicket:

@@ -1,0 +1,37 @@
+"""A Store wrapper that times ``persist`` for the persist-latency histogram; everything else passes through."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.store_api import IncomingMessage, PersistResult, Store
+
+
+class TimedStore:
+    """Implements ``Store`` over another store, reporting each ``persist`` call's duration."""
+
+    def __init__(self, inner: Store, observe: Callable[[str, float], None]) -> None:
+        self._inner = inner
+        self._observe = observe
+        """Called with (subscription, seconds) after every persist call, failed ones included."""
+
+    async def persist(self, subscription: str, batch: Sequence[IncomingMessage], now_ms: int) -> list[PersistResult]:
+        started = time.perf_counter()
+        try:
+            return await self._inner.persist(subscription, batch, now_ms)
+        finally:
+            self._observe(subscription, time.perf_counter() - started)
+
+    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
+        await self._inner.commit_acks(subscription, acks, now_ms)
+
+    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+        await self._inner.mark_done(subscription, messages, state, now_ms)
+
+    async def load(self, subscription: str, now_ms: int) -> EngineSnapshot:
+        return await self._inner.load(subscription, now_ms)
+
+    async def close(self) -> None:
+        await self._inner.close()
