@@ -26,7 +26,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message, Payload
+from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store_api import (
     IncomingMessage,
     PersistOutcome,
@@ -120,22 +120,7 @@ class MemoryStore:
         results: list[PersistResult] = []
         for incoming in batch:
             doc_id = doc_id_for(incoming.key, incoming.dedup_id, incoming.sequence)
-            message = Message(
-                key=incoming.key,
-                dedup_id=incoming.dedup_id,
-                message_id=incoming.message_id,
-                fingerprint=incoming.fingerprint,
-                stored_at_ms=now_ms,
-                sequence=incoming.sequence,
-                timestamp_ms=incoming.timestamp_ms,
-                payload=Payload(
-                    data=incoming.data,
-                    attributes=dict(incoming.attributes),
-                    publish_time_ms=incoming.publish_time_ms,
-                    ordering_key=incoming.ordering_key,
-                    ref=doc_id,
-                ),
-            )
+            message = incoming.to_message(now_ms, doc_id)
             existing = data.records.get(doc_id)
             if existing is None:
                 data.records[doc_id] = _Record(message=message, state=_PENDING)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.engine.types import AckIntent, EngineSnapshot, Message, Payload
 
 
 class StoreError(Exception):
@@ -41,6 +41,25 @@ class IncomingMessage:
     fingerprint: bytes
     sequence: int | None = None
     timestamp_ms: int | None = None
+
+    def to_message(self, stored_at_ms: int, ref: str) -> Message:
+        """The engine's view of this message once a store made it durable under ``ref``."""
+        return Message(
+            key=self.key,
+            dedup_id=self.dedup_id,
+            message_id=self.message_id,
+            fingerprint=self.fingerprint,
+            stored_at_ms=stored_at_ms,
+            sequence=self.sequence,
+            timestamp_ms=self.timestamp_ms,
+            payload=Payload(
+                data=self.data,
+                attributes=dict(self.attributes),
+                publish_time_ms=self.publish_time_ms,
+                ordering_key=self.ordering_key,
+                ref=ref,
+            ),
+        )
 
 
 class PersistOutcome(enum.Enum):

@@ -162,22 +162,7 @@ def message_fields(incoming: IncomingMessage, token: str, now_ms: int, chunks: i
 
 
 def message_from_incoming(incoming: IncomingMessage, now_ms: int, ref: str) -> Message:
-    return Message(
-        key=incoming.key,
-        dedup_id=incoming.dedup_id,
-        message_id=incoming.message_id,
-        fingerprint=incoming.fingerprint,
-        stored_at_ms=now_ms,
-        sequence=incoming.sequence,
-        timestamp_ms=incoming.timestamp_ms,
-        payload=Payload(
-            data=incoming.data,
-            attributes=dict(incoming.attributes),
-            publish_time_ms=incoming.publish_time_ms,
-            ordering_key=incoming.ordering_key,
-            ref=ref,
-        ),
-    )
+    return incoming.to_message(now_ms, ref)
 
 
 class CorruptDocument(ValueError):
