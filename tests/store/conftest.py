@@ -7,63 +7,20 @@ never see each other's documents; counters are global, so tests assert on differ
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-import grpc
 import pytest
 
-from sidecar.emulators.faults import FaultInjector, FaultInterceptor
+from sidecar.emulators.faults import FaultInjector
 from sidecar.emulators.firestore import FirestoreEmulator
+from sidecar.emulators.firestore.threaded import ServerThread
 from sidecar.store import FirestoreStore, SubscriptionStoreConfig
 
 _START_TIMEOUT_SECONDS = 30.0
 
 
-class _EmulatorThread(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(name="store-test-firestore", daemon=True)
-        self.injector = FaultInjector(seed=7)
-        self.emulator = FirestoreEmulator(self.injector)
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self._stopping: asyncio.Event | None = None
-
-    def run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._serve())
-        except BaseException as exc:
-            self.error = exc
-            self.ready.set()
-        finally:
-            self.loop.close()
-
-    async def _serve(self) -> None:
-        self._stopping = asyncio.Event()
-        server = grpc.aio.server(
-            interceptors=[FaultInterceptor(self.injector, "firestore")],
-            options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)],
-        )
-        self.emulator.add_to_server(server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self.ready.set()
-        try:
-            await self._stopping.wait()
-        finally:
-            await self.emulator.close()
-            await server.stop(grace=None)
-
-    def stop(self) -> None:
-        if self._stopping is not None:
-            self.loop.call_soon_threadsafe(self._stopping.set)
-        self.join(timeout=10)
 
 
 @dataclass
@@ -78,7 +35,8 @@ class Emulator:
 
 @pytest.fixture(scope="session")
 def firestore_emulator() -> Iterator[Emulator]:
-    thread = _EmulatorThread()
+    injector = FaultInjector(seed=7)
+    thread = ServerThread(FirestoreEmulator(injector), injector)
     thread.start()
     if not thread.ready.wait(_START_TIMEOUT_SECONDS) or thread.error is not None:
         thread.stop()

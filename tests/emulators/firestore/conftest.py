@@ -14,10 +14,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from firestore_harness import Endpoint, FakeMonotonic, ServerThread
+from firestore_harness import Endpoint, FakeMonotonic
 
 from sidecar.emulators.faults import FaultInjector
 from sidecar.emulators.firestore import FirestoreEmulator
+from sidecar.emulators.firestore.threaded import ServerThread
 
 _EXTERNAL = os.environ.get("FIRESTORE_EMULATOR_HOST")
 
