@@ -29,8 +29,8 @@ import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.engine.types import EngineConfig, Message
-from sidecar.memory_store import MemoryStore
-from sidecar.store_api import IncomingMessage, PersistOutcome
+from sidecar.store.api import IncomingMessage, PersistOutcome
+from sidecar.store.memory import MemoryStore
 
 if TYPE_CHECKING:
     from sidecar.runtime import SubscriptionRuntime

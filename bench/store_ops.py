@@ -18,8 +18,8 @@ import uuid
 
 from sidecar.emulators.stack import EmulatorStack
 from sidecar.engine.types import AckIntent
-from sidecar.store import FirestoreStore, SubscriptionStoreConfig
-from sidecar.store_api import IncomingMessage, PersistOutcome
+from sidecar.store.api import IncomingMessage, PersistOutcome, SubscriptionStoreConfig
+from sidecar.store.firestore import FirestoreStore
 
 
 def _incoming(key: str, sequence: int) -> IncomingMessage:

@@ -37,9 +37,10 @@ from sidecar.grpc_server import GrpcServer
 from sidecar.ingest import Ingestor
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
-from sidecar.runtime import SubscriptionRuntime
-from sidecar.store import FirestoreStore, SubscriptionStoreConfig
-from sidecar.store_timing import TimedStore
+from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime
+from sidecar.store.api import SubscriptionStoreConfig
+from sidecar.store.firestore import FirestoreStore
+from sidecar.store.timed import TimedStore
 from sidecar.watermark import WatermarkSource
 
 _LOGGER = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class Sidecar:
                     dedup_ttl_ms=sub.engine_config().dedup_ttl_ms,
                     on_dead_letter=sub.delivery.on_dead_letter,
                     sequence_start=sub.engine_config().sequence_start,
+                    first_sequence_any=sub.engine_config().first_sequence_any,
                 )
                 for sub in config.subscriptions
             },
@@ -158,7 +160,7 @@ class Sidecar:
         checks.update({f"pubsub:{name}": _pubsub_check(s.ingestor) for name, s in subs.items()})
         readiness = Readiness(checks)
         self.metrics.add_collector(lambda: _metrics_snapshot(subs.values()))
-        http = HttpEndpoint(config.http, self.metrics, readiness)
+        http = HttpEndpoint(config.http, self.metrics, readiness, functools.partial(_stuck, subs))
         return subs, grpc_server, http, readiness
 
     async def _run(
@@ -199,6 +201,17 @@ class Sidecar:
             else:
                 self.failure = RuntimeError(f"{what} ended unexpectedly")
                 _LOGGER.critical("%s ended unexpectedly; stopping", what)
+
+
+def _stuck(subs: dict[str, _Subscription]) -> str | None:
+    """Liveness: which subscription's recovery stopped making progress, if any."""
+    for name, s in subs.items():
+        if not s.runtime.is_live():
+            return (
+                f"subscription {name!r}: recovery made no progress for {RECOVERY_STALL_SECONDS:.0f}s "
+                f"({s.runtime.recovered_documents} documents read)"
+            )
+    return None
 
 
 async def _collect(watchers: dict[asyncio.Future[object], str]) -> None:

@@ -48,7 +48,7 @@ from sidecar.config import (
     SubscriptionConfig,
     WatermarkOrdering,
 )
-from sidecar.store_api import IncomingMessage
+from sidecar.store.api import IncomingMessage
 
 MAX_TIMESTAMP_MS = 253_402_300_799_999
 """9999-12-31T23:59:59.999Z: the largest instant a protobuf Timestamp (and Firestore) can hold."""

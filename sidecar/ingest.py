@@ -67,7 +67,7 @@ from sidecar.config import SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.runtime import SubscriptionRuntime
-from sidecar.store_api import IncomingMessage, PersistOutcome, Store, StoreError, StoreRejected
+from sidecar.store.api import IncomingMessage, PersistOutcome, Store, StoreError, StoreRejected
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -485,9 +485,14 @@ class Ingestor:
                 stored_items.append(item)
             elif outcome is PersistOutcome.DUPLICATE:
                 self.counters.duplicates += 1
+                if result.pending is not None:
+                    # A pending original the engine may never have seen: it drops it if it holds it.
+                    self._runtime.on_stored([result.pending])
                 self._ack(item.message)
             elif outcome is PersistOutcome.CONFLICT:
                 self.counters.conflicts += 1
+                if result.pending is not None:
+                    self._runtime.on_stored([result.pending])
                 self._spawn(self._dead_letter_then_ack(item.message, "conflict", key=item.incoming.key))
             elif isinstance(result.error, StoreRejected):
                 self._dead_letter_rejected(item, result.error)

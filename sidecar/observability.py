@@ -4,7 +4,9 @@ Counters and gauges are not kept twice: a custom collector reads them from the r
 subscriptions (engine status and ingest counters) at scrape time, so a scrape always agrees with
 GetStatus. Only the two latency histograms are observed as events happen.
 
-``/healthz`` answers 200 while the process serves HTTP at all (liveness). ``/readyz`` answers 200
+``/healthz`` answers 200 while the process serves HTTP and every subscription makes progress
+(liveness): a recovery that has read nothing new for minutes answers 503, so that Kubernetes
+restarts the container rather than waiting on it for ever. ``/readyz`` answers 200
 once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable); checks
 are cached for ``_CHECK_TTL_SECONDS`` so that probes do not hammer the backends.
 """
@@ -137,6 +139,9 @@ class Metrics:
 ReadinessCheck = Callable[[], Awaitable[None]]
 """Raises (anything) when the dependency is not reachable."""
 
+Liveness = Callable[[], str | None]
+"""Returns why the process is stuck, or None while it makes progress."""
+
 
 class Readiness:
     """Recovered flag plus cached dependency checks."""
@@ -185,8 +190,11 @@ async def _run_check(check: ReadinessCheck) -> str | None:
 class HttpEndpoint:
     """The aiohttp server for probes and scrapes."""
 
-    def __init__(self, address: str, metrics: Metrics, readiness: Readiness) -> None:
+    def __init__(
+        self, address: str, metrics: Metrics, readiness: Readiness, liveness: Liveness | None = None
+    ) -> None:
         host, _, port = address.rpartition(":")
+        self._liveness = liveness
         self._host = host or "127.0.0.1"
         self._port = int(port)
         self._metrics = metrics
@@ -214,6 +222,9 @@ class HttpEndpoint:
             await runner.cleanup()
 
     async def _healthz(self, _request: web.Request) -> web.Response:
+        problem = self._liveness() if self._liveness is not None else None
+        if problem:
+            return web.json_response({"status": "stuck", "reason": problem}, status=503)
         return web.json_response({"status": "alive"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:

@@ -13,8 +13,14 @@ need and feeds the results back. Rules it keeps:
   fails the runtime loudly (``run()`` raises, ``failure`` is set): acks that can never be made
   durable must not be confirmed, and a restart redelivers them.
 - A dead letter is published (retried with backoff until it succeeds, never dropped, G1), then
-  ``store.mark_done(..., "dead_lettered")``, then ``engine.dead_letter_done``. A duplicate the
-  engine finds is recorded with ``store.mark_done(..., "dropped")``.
+  ``store.mark_done(..., "dead_lettered")`` (or ``"dead_lettered_aside"`` for a message outside its
+  key's order: late, conflicting, below the cursor), then ``engine.dead_letter_done``. Each dead
+  letter is its own task, so a message the topic keeps refusing delays only its own key, never the
+  others' dead letters; at most ``_DEAD_LETTER_PUBLISHES`` publish calls run at once, and the number
+  waiting counts in ``undelivered()``, so ingest pauses rather than queueing without bound
+  (``dead_letters_pending`` in GetStatus and metrics shows it).
+- A duplicate the engine finds is recorded with ``store.mark_done(..., "dropped")`` only when no
+  message the engine holds shares its record (``DropDuplicate.finish_record``).
 - Streams wait for ready messages on an ``asyncio.Event`` they register with ``add_waker``; the
   runtime sets every registered event after a change that leaves messages ready. No polling.
 - One timer task calls ``engine.tick`` at ``engine.next_timer_ms()``, woken early when an engine
@@ -40,12 +46,13 @@ from sidecar.engine.types import (
     Deliver,
     DropDuplicate,
     EngineConfig,
+    EngineSnapshot,
     EngineStatus,
     Hold,
     KeyStatus,
     Message,
 )
-from sidecar.store_api import Store, StoreError, StoreUnavailable
+from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED, Store, StoreError, StoreUnavailable
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -59,6 +66,14 @@ _RETRY_MAXIMUM_SECONDS = 5.0
 
 _MAX_ACKS_PER_COMMIT = 1000
 """Bounds one commit_acks call (the store splits it into Firestore's 500-write commits)."""
+
+_DEAD_LETTER_PUBLISHES = 32
+"""Dead-letter publish calls in flight at once: enough to keep a healthy topic busy, few enough
+that a burst of dead letters does not flood the publisher client."""
+
+RECOVERY_STALL_SECONDS = 120.0
+"""A recovery that has read nothing new for this long is stuck: liveness reports it, so that
+Kubernetes restarts the container instead of waiting on it for ever."""
 
 
 def wall_clock_ms() -> int:
@@ -148,6 +163,12 @@ class SubscriptionRuntime:
         self._acks_idle = asyncio.Event()
         self._acks_idle.set()
         self._dead_letter_queue: asyncio.Queue[DeadLetter] = asyncio.Queue()
+        self._dead_letters_pending = 0
+        self._dead_letter_slots = asyncio.Semaphore(_DEAD_LETTER_PUBLISHES)
+        self._recovery_started_ms: int | None = None
+        self._recovery_progress_ms: int | None = None
+        self.recovered_documents = 0
+        """Documents ``load`` has read so far during recovery."""
         self._drops: list[Message] = []
         self._drops_wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -186,7 +207,13 @@ class SubscriptionRuntime:
         """Rebuild the engine from the store. Must complete before anything is delivered."""
         if self._engine is not None:
             raise RuntimeError(f"subscription {self.name!r}: recover() called twice")
-        snapshot = await self._retry_store(self._store.load)
+        self._recovery_started_ms = self._recovery_progress_ms = self._clock()
+
+        def progress(documents: int) -> None:
+            self.recovered_documents = documents
+            self._recovery_progress_ms = self._clock()
+
+        snapshot = await self._retry_load(progress)
         now_ms = self._clock()
         self._engine = Engine.restore(self._config, snapshot, now_ms, id_prefix=self._id_prefix)
         _LOGGER.info(
@@ -196,6 +223,25 @@ class SubscriptionRuntime:
             len(snapshot.cursors),
         )
         self._after_change()
+
+    def is_live(self) -> bool:
+        """False when recovery has made no progress for ``RECOVERY_STALL_SECONDS`` (or the runtime failed)."""
+        if self.failure is not None:
+            return False
+        if self._engine is not None or self._recovery_progress_ms is None:
+            return True
+        return self._clock() - self._recovery_progress_ms < RECOVERY_STALL_SECONDS * 1000
+
+    async def _retry_load(self, progress: Callable[[int], None]) -> EngineSnapshot:
+        attempt = 0
+        while True:
+            try:
+                return await self._store.load(self.name, self._clock(), progress)
+            except StoreUnavailable as exc:
+                self.counters.store_retries += 1
+                _LOGGER.warning("subscription %s: store load unavailable (%s); retrying", self.name, exc)
+            await asyncio.sleep(_backoff_seconds(attempt))
+            attempt += 1
 
     async def start(self) -> None:
         """Run the background work (timers, ack commits, dead letters) in a task of its own."""
@@ -280,7 +326,12 @@ class SubscriptionRuntime:
         if self._engine is None:
             return 0
         status, _ = self._engine.status(self._clock(), max_keys=0)
-        return status.ready + status.in_flight
+        return status.ready + status.in_flight + self._dead_letters_pending
+
+    @property
+    def dead_letters_pending(self) -> int:
+        """Dead letters waiting to be published or recorded."""
+        return self._dead_letters_pending
 
     # ---- delivery --------------------------------------------------------------------------
 
@@ -381,10 +432,12 @@ class SubscriptionRuntime:
     def _apply(self, actions: Sequence[Action]) -> None:
         for action in actions:
             if isinstance(action, DeadLetter):
+                self._dead_letters_pending += 1
                 self._dead_letter_queue.put_nowait(action)
             elif isinstance(action, DropDuplicate):
-                self._drops.append(action.message)
-                self._drops_wake.set()
+                if action.finish_record:
+                    self._drops.append(action.message)
+                    self._drops_wake.set()
             elif isinstance(action, Hold):
                 _LOGGER.debug("subscription %s holds %s: %s", self.name, action.message.dedup_id, action.reason)
             else:
@@ -470,25 +523,34 @@ class SubscriptionRuntime:
         self._acks_idle.set()
 
     async def _dead_letter_loop(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            while True:
+                action = await self._dead_letter_queue.get()
+                group.create_task(self._dead_letter_one(action), name=f"dead-letter:{self.name}")
+
+    async def _dead_letter_one(self, action: DeadLetter) -> None:
         engine = self._require_engine()
-        while True:
-            action = await self._dead_letter_queue.get()
+        try:
             await self._publish_dead_letter(action)
+            state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
             try:
-                await self._retry_store(self._store.mark_done, [action.message], "dead_lettered")
+                await self._retry_store(self._store.mark_done, [action.message], state)
             except StoreError:
                 # The topic has it (G1 holds); unmarked, it is loaded and dead-lettered again after a restart.
                 _LOGGER.exception(
                     "subscription %s: could not record dead letter %s", self.name, action.message.dedup_id
                 )
-            self._apply(engine.dead_letter_done(action.message, self._clock()))
-            self._after_change()
+        finally:
+            self._dead_letters_pending -= 1
+        self._apply(engine.dead_letter_done(action.message, self._clock()))
+        self._after_change()
 
     async def _publish_dead_letter(self, action: DeadLetter) -> None:
         attempt = 0
         while True:
             try:
-                await self._dead_letters.publish(self.name, action.message, action.reason, action.attempts)
+                async with self._dead_letter_slots:
+                    await self._dead_letters.publish(self.name, action.message, action.reason, action.attempts)
                 return
             except Exception:
                 self.counters.dead_letter_publish_failures += 1
@@ -509,7 +571,7 @@ class SubscriptionRuntime:
             while self._drops:
                 batch, self._drops = self._drops, []
                 try:
-                    await self._retry_store(self._store.mark_done, batch, "dropped")
+                    await self._retry_store(self._store.mark_done, batch, DROPPED)
                 except StoreError:
                     # Harmless: an unmarked duplicate is loaded again and dropped again by the engine.
                     _LOGGER.exception("subscription %s: could not record %d dropped duplicates", self.name, len(batch))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sidecar.classify import MAX_TIMESTAMP_MS, Malformed, classify, fingerprint
 from sidecar.config import SubscriptionConfig
-from sidecar.store_api import IncomingMessage
+from sidecar.store.api import IncomingMessage
 
 MAX_SEQUENCE = 2**63 - 1
 

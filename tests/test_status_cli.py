@@ -18,10 +18,10 @@ from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar import cli
 from sidecar.engine.types import EngineConfig, Message
 from sidecar.grpc_server import GrpcServer
-from sidecar.memory_store import MemoryStore
 from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
 from sidecar.status import EXIT_FAILED, fetch_and_render, format_age, format_json, format_table, status_to_dict
-from sidecar.store_api import IncomingMessage, PersistOutcome
+from sidecar.store.api import IncomingMessage, PersistOutcome
+from sidecar.store.memory import MemoryStore
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -83,6 +83,10 @@ REASON_LATE = "late"
 REASON_MAX_ATTEMPTS = "max_delivery_attempts"
 REASON_APP = "app_dead_letter"
 """Dead-letter reasons: the app's nack asked for it (``dead_letter=True``)."""
+REASON_BELOW_CURSOR = "below_cursor"
+"""sequence mode: a message below a cursor this engine was restored with, not known to be skipped:
+it may be a copy of an acked message whose record expired (never delivered again, G3), or one
+skipped before the restart. Dead-lettered, never dropped silently (G1)."""
 
 _MAX_BACKOFF_EXPONENT = 62
 """2**62 ms is far beyond any maximum: caps the exponent so a huge attempt count stays cheap."""
@@ -704,7 +708,8 @@ class Engine:
                     self._insert_out(key, entry)
                 self._refresh(key, now_ms)
             self._count_dead_letter(reason)
-            return [DeadLetter(entry.message, reason, entry.deliveries)]
+            in_order = key is not None and not entry.late
+            return [DeadLetter(entry.message, reason, entry.deliveries, in_order)]
         delay_ms = retry_after_ms if retry_after_ms is not None else self._backoff_ms(entry.deliveries)
         if key is None:
             self._end_delivery(entry, from_timer=from_timer)

@@ -8,11 +8,11 @@ Rules (DESIGN §4):
   shuffled input the first arrival is not necessarily the lowest, and the late rule makes that
   visible. A store cursor, once written, wins over adoption.
 - ``seq`` below the next sequence to hand out: a duplicate (DropDuplicate) if this engine saw it
-  finish; late if a gap skip passed over it, or if it lies below what the engine knows of the key
-  (the cursor it was restored with, or the adopted first sequence). Such a message got past the
-  store's create-if-absent dedup, so it was never stored before: it cannot be a redelivery of
-  something acked, and dropping it would lose it (G1). ``seq`` equal to a sequence the
-  key still holds: the same fingerprint is a duplicate, another fingerprint a conflict
+  finish (its record expired and was created again: it is never delivered again, G3); late if a
+  gap skip passed over it, or if it lies below the adopted first sequence; dead-lettered as
+  ``below_cursor`` if it lies below the cursor the engine was restored with (acked or skipped
+  before the restart: the engine cannot tell, so it neither delivers it, G3, nor drops it, G1).
+- ``seq`` equal to a sequence the key still holds: the same fingerprint is a duplicate, another fingerprint a conflict
   (DeadLetter "conflict"; the original stays).
 - Stored sequences form a *run* from ``next_out``: the run is releasable in order; anything beyond
   it is held with the reason "missing sequence N" where N is the first missing one.
@@ -41,7 +41,7 @@ from sidecar.engine.types import (
 
 _MAX_SKIPPED_RANGES_PER_KEY = 64
 """Skipped ranges remembered per key to recognise late arrivals; the oldest are forgotten first
-(a message from a forgotten range is then dropped as below the cursor, counted as a duplicate)."""
+(a message from a forgotten range is then dead-lettered as ``below_cursor``, never dropped)."""
 
 
 class SequencePolicy:
@@ -93,14 +93,21 @@ class SequencePolicy:
         index = key.index
         held = index.get(seq)
         if held is not None:
-            if held.message.fingerprint == message.fingerprint or held.n == 0:  # 0: restored placeholder
+            if held.n == 0:  # a restored placeholder: acked before the restart
+                return DropDuplicate(message, "duplicate of an acked message", finish_record=True), None
+            if held.message.fingerprint == message.fingerprint:
                 return DropDuplicate(message, "duplicate of a message the engine holds"), None
             return DeadLetter(message, "conflict", 0), None
         if key.cursor is None:
             key.cursor = key.next_out = key.run_end = key.known_from = seq
+            key.adopted = True
         if seq < key.next_out:
             if seq >= key.known_from and not _take_from_skipped(key.skipped, seq):
-                return DropDuplicate(message, "below the key's cursor (already acked or dead-lettered)"), None
+                reason = "below the key's cursor (already acked or dead-lettered)"
+                return DropDuplicate(message, reason, finish_record=True), None
+            if seq < key.known_from and not key.adopted:
+                # Below the cursor the engine was restored with: acked or skipped before, unknown which.
+                return DeadLetter(message, "below_cursor", 0), None
             if not self._deliver_late:
                 return DeadLetter(message, "late", 0), None
             entry = Entry(message, key, seq, n)
@@ -206,7 +213,11 @@ class SequencePolicy:
         skipped = key.skipped
         skipped.append([first, last])
         if len(skipped) > _MAX_SKIPPED_RANGES_PER_KEY:
-            del skipped[0]
+            # Forget the oldest range, and with it what the engine knows below its end: an arrival
+            # from there is then dead-lettered as below the cursor, never dropped silently.
+            _, forgotten_last = skipped.pop(0)
+            key.known_from = max(key.known_from, forgotten_last + 1)
+            key.adopted = False
         entry = key.index[target]
         if entry.skipped is None:
             entry.skipped = []

@@ -64,6 +64,7 @@ class KeyState:
     """Everything the engine knows about one ordering key."""
 
     __slots__ = (
+        "adopted",
         "backoff_since",
         "backoff_until",
         "blocked",
@@ -119,6 +120,9 @@ class KeyState:
         """sequence: the cursor when this engine learned of the key (start, adopted or restored).
         Below it the engine does not know what happened; a message there got past the store's
         dedup, so it was never stored before: skipped before a restart, or older than adoption."""
+        self.adopted = False
+        """sequence: ``known_from`` is a first sequence this engine adopted (``first_sequence: any``),
+        so nothing below it was ever delivered; False when it is a restored cursor."""
         self.skipped: list[list[int]] = []
         """sequence: ranges ``[first, last]`` passed over by a gap skip; a later arrival there is late."""
         self.blocked = False

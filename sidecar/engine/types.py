@@ -96,6 +96,10 @@ class DropDuplicate:
 
     message: Message
     reason: str
+    finish_record: bool = False
+    """True when no message the engine still holds shares this copy's stored record, so the store
+    may finish it ("dropped"): a copy below the cursor, or of a finished message. False for a
+    duplicate of a held message: its record *is* the held message's, which must stay pending."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,10 @@ class DeadLetter:
     message: Message
     reason: str
     attempts: int
+    in_order: bool = False
+    """True for a message in its key's order (attempts exhausted, or the app asked): the key waits
+    for ``dead_letter_done`` and then blocks or skips past it. False for a message outside the
+    order (late, conflicting, below the cursor), which never blocks or moves the key."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ class UnorderedPolicy:
         if dedup_id in self.by_id:
             return DropDuplicate(message, "duplicate of a message the engine holds"), None
         if self.memory.contains(dedup_id, now_ms):
-            return DropDuplicate(message, "duplicate within the dedup TTL"), None
+            return DropDuplicate(message, "duplicate within the dedup TTL", finish_record=True), None
         entry = Entry(message, None, None, n)
         self.by_id[dedup_id] = entry
         self.memory.remember(dedup_id, message.stored_at_ms)

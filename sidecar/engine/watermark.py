@@ -65,7 +65,7 @@ class WatermarkPolicy:
         if dedup_id in self.by_id:
             return DropDuplicate(message, "duplicate of a message the engine holds"), None
         if self.memory.contains(dedup_id, now_ms):
-            return DropDuplicate(message, "duplicate of a recently finished message"), None
+            return DropDuplicate(message, "duplicate of a recently finished message", finish_record=True), None
         pos = (timestamp_ms, dedup_id)
         released = key.released
         if released is not None and pos <= released:

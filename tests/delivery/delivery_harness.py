@@ -17,9 +17,9 @@ from google.protobuf import duration_pb2
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.engine.types import EngineConfig, Message
 from sidecar.grpc_server import GrpcServer
-from sidecar.memory_store import MemoryStore
 from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
-from sidecar.store_api import IncomingMessage, PersistOutcome
+from sidecar.store.api import IncomingMessage, PersistOutcome
+from sidecar.store.memory import MemoryStore
 
 WAIT_SECONDS = 15.0
 """Generous: other engineers' test suites share the 2 cores."""

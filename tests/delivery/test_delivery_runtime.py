@@ -8,9 +8,9 @@ from collections.abc import Callable
 import grpc
 from delivery_harness import Harness, RecordingDeadLetters, sequence_config, wait_until
 
-from sidecar.memory_store import MemoryStore
 from sidecar.runtime import SubscriptionRuntime, SubscriptionUnavailable
-from sidecar.store_api import StoreRejected
+from sidecar.store.api import StoreRejected
+from sidecar.store.memory import MemoryStore
 
 
 async def test_confirmed_acks_survive_a_restart_and_unconfirmed_ones_come_back(harness: Harness) -> None:

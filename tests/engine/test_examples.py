@@ -166,7 +166,7 @@ def test_ack_deadline_expiry_counts_as_an_attempt_then_dead_letters() -> None:
     assert engine.tick(1_000) == []
     (second,) = engine.take("c", 1, 1_000)
     assert second.attempt == 2
-    assert engine.tick(2_000) == [DeadLetter(seq_message("k", 1), "max_delivery_attempts", 2)]
+    assert engine.tick(2_000) == [DeadLetter(seq_message("k", 1), "max_delivery_attempts", 2, in_order=True)]
     assert engine.status(2_000)[0].counts["expired"] == 2
 
 
@@ -249,9 +249,28 @@ def test_restore_rebuilds_from_cursors_and_pending_and_redelivers_in_flight() ->
 
 def test_restore_reports_pending_messages_below_the_cursor_on_the_first_tick() -> None:
     snapshot = EngineSnapshot(cursors=(KeyCursor("k", next_sequence=3),), pending=(seq_message("k", 1),))
-    restored = Engine.restore(EngineConfig(mode="sequence", on_late="dead_letter"), snapshot, 7)
+    restored = Engine.restore(EngineConfig(mode="sequence", on_late="deliver"), snapshot, 7)
     assert restored.next_timer_ms() == 7
-    assert restored.tick(7) == [DeadLetter(seq_message("k", 1), "late", 0)]
+    # Below a restored cursor the engine cannot tell skipped from acked: never delivered (G3), not dropped (G1).
+    assert restored.tick(7) == [DeadLetter(seq_message("k", 1), "below_cursor", 0)]
+
+
+def test_forgotten_skipped_ranges_are_dead_lettered_not_dropped() -> None:
+    engine = Engine(EngineConfig(mode="sequence", gap_timeout_ms=10, on_gap_timeout="skip", on_late="deliver"))
+    seq, now = 1, 0
+    for _ in range(70):  # 70 gaps skipped: more ranges than the engine remembers
+        engine.on_stored(seq_message("k", seq + 1), now)
+        now += 10
+        engine.tick(now)
+        (delivery,) = engine.take("c", 1, now)
+        engine.ack("c", delivery.delivery_id, now)
+        engine.ack_durable([delivery.delivery_id], now)
+        seq += 2
+    # Sequence 1 was skipped first, and its range forgotten since: it must not vanish.
+    (action,) = engine.on_stored(seq_message("k", 1), now)
+    assert action == DeadLetter(seq_message("k", 1), "below_cursor", 0)
+    # A recently skipped one is still known: delivered, flagged late.
+    assert engine.on_stored(seq_message("k", seq - 2), now) == []
 
 
 # ---- watermark mode ---------------------------------------------------------------------------

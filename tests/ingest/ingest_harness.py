@@ -16,8 +16,8 @@ from sidecar.config import SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.ingest import Ingestor
-from sidecar.memory_store import MemoryStore
 from sidecar.runtime import SubscriptionRuntime
+from sidecar.store.memory import MemoryStore
 
 
 def make_sub_config(

@@ -16,7 +16,8 @@ import pytest
 from sidecar.emulators.faults import FaultInjector
 from sidecar.emulators.firestore import FirestoreEmulator
 from sidecar.emulators.firestore.threaded import ServerThread
-from sidecar.store import FirestoreStore, SubscriptionStoreConfig
+from sidecar.store.api import SubscriptionStoreConfig
+from sidecar.store.firestore import FirestoreStore
 
 _START_TIMEOUT_SECONDS = 30.0
 

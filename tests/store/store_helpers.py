@@ -8,8 +8,8 @@ from typing import Any
 from google.cloud import firestore
 
 from sidecar.engine.types import AckIntent, Message
-from sidecar.store import FirestoreStore
-from sidecar.store_api import IncomingMessage
+from sidecar.store.api import IncomingMessage
+from sidecar.store.firestore import FirestoreStore
 
 
 def incoming(
@@ -44,7 +44,7 @@ def ack(message: Message, cursor: int | tuple[int, str] | None) -> AckIntent:
 
 def client_of(store: FirestoreStore) -> firestore.AsyncClient:
     """A second official client on the store's project, to look at what was stored."""
-    return firestore.AsyncClient(project=store._client.project)
+    return firestore.AsyncClient(project=store.project)
 
 
 async def documents(client: firestore.AsyncClient, path: str) -> dict[str, dict[str, Any]]:

@@ -6,11 +6,10 @@ import grpc
 import pytest
 from store_helpers import ack, client_of, documents, incoming
 
-from sidecar import store_codec
 from sidecar.emulators.faults import FaultRule
 from sidecar.engine.types import KeyCursor
-from sidecar.store import SubscriptionStoreConfig
-from sidecar.store_api import PersistOutcome, StoreRejected, StoreUnavailable
+from sidecar.store import layout as store_codec
+from sidecar.store.api import PersistOutcome, StoreRejected, StoreUnavailable, SubscriptionStoreConfig
 
 _ROOT = "pubsub-sidecar/orders"
 
@@ -41,7 +40,8 @@ async def test_ack_tombstones_and_coalesces_cursor_writes(make_store, emulator):
     assert spent == {"reads": 0, "writes": 52, "deletes": 0}
     client = client_of(store)
     (cursor,) = (await documents(client, f"{_ROOT}/keys")).values()
-    assert cursor["next_seq"] == 2 and cursor["written_ms"] == 10_000 and "expire_at" in cursor
+    assert cursor["next_seq"] == 2 and cursor["written_ms"] == 10_000
+    assert "expire_at" not in cursor, "a cursor must outlive every message that can still come for its key"
     docs = await documents(client, f"{_ROOT}/messages")
     assert all(d["state"] == "acked" and "data" not in d and "attrs" not in d for d in docs.values())
     assert all(d["expire_at"].timestamp() * 1000 == d["done_ms"] + 7 * 24 * 3600 * 1000 for d in docs.values())

@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 
 import grpc
-from google.api_core import exceptions as core_exceptions
 from store_helpers import client_of, documents, incoming
 
-from sidecar import store_codec
 from sidecar.emulators.faults import FaultRule
-from sidecar.store import SubscriptionStoreConfig, _RawFirestore
-from sidecar.store_api import PersistOutcome, StoreRejected, StoreUnavailable
+from sidecar.store import layout as store_codec
+from sidecar.store.api import PersistOutcome, StoreRejected, StoreUnavailable, SubscriptionStoreConfig
+from sidecar.store.documents import Unavailable
+from sidecar.store.firestore import FirestoreDocuments
 
 _MESSAGES = "pubsub-sidecar/orders/messages"
 
@@ -99,7 +99,7 @@ async def test_injected_unavailable_and_aborted_fail_the_batch_and_lose_nothing(
 async def test_create_applied_behind_a_failed_rpc_is_stored_not_duplicate(make_store, monkeypatch):
     """The RPC failed after Firestore applied it: the retry's ALREADY_EXISTS is our own write."""
     store = make_store()
-    real = _RawFirestore.batch_write
+    real = FirestoreDocuments.batch_write
     calls = 0
 
     async def applied_then_lost(self, writes):
@@ -107,13 +107,13 @@ async def test_create_applied_behind_a_failed_rpc_is_stored_not_duplicate(make_s
         calls += 1
         result = await real(self, writes)
         if calls == 1:
-            raise core_exceptions.DeadlineExceeded("answer lost")
+            raise Unavailable("answer lost")
         return result
 
-    monkeypatch.setattr(_RawFirestore, "batch_write", applied_then_lost)
+    monkeypatch.setattr(FirestoreDocuments, "batch_write", applied_then_lost)
     (lost,) = await store.persist("orders", [incoming("a", 1)], 1000)
     assert lost.outcome is PersistOutcome.FAILED and isinstance(lost.error, StoreUnavailable)
+    # The redelivery meets the document that applied unseen: still pending, so it reaches the engine.
     (retry,) = await store.persist("orders", [incoming("a", 1)], 2000)
-    assert retry.outcome is PersistOutcome.STORED and retry.message.stored_at_ms == 1000
-    (third,) = await store.persist("orders", [incoming("a", 1)], 3000)
-    assert third.outcome is PersistOutcome.DUPLICATE
+    assert retry.outcome is PersistOutcome.DUPLICATE
+    assert retry.pending is not None and retry.pending.stored_at_ms == 1000 and retry.pending.payload.data == b"payload"

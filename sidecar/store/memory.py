@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
-from sidecar.store_api import (
+from sidecar.store.api import (
     IncomingMessage,
     PersistOutcome,
     PersistResult,
@@ -36,7 +36,7 @@ from sidecar.store_api import (
 )
 
 _PENDING = "pending"
-_TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dropped"})
+_TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dead_lettered_aside", "dropped"})
 _HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load"})
 
 
@@ -128,7 +128,8 @@ class MemoryStore:
             elif incoming.sequence is not None and existing.message.fingerprint != incoming.fingerprint:
                 results.append(PersistResult(PersistOutcome.CONFLICT, message))
             else:
-                results.append(PersistResult(PersistOutcome.DUPLICATE, existing.message))
+                pending = existing.message if existing.state == _PENDING else None
+                results.append(PersistResult(PersistOutcome.DUPLICATE, existing.message, pending=pending))
         return results
 
     async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
@@ -150,7 +151,7 @@ class MemoryStore:
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
         if state not in _TERMINAL_STATES - {"acked"}:
-            raise ValueError(f"mark_done: state must be 'dead_lettered' or 'dropped', got {state!r}")
+            raise ValueError(f"mark_done: state must be one of {sorted(_TERMINAL_STATES - {'acked'})}, got {state!r}")
         self._enter("mark_done")
         data = self._data(subscription)
         for message in messages:
@@ -162,10 +163,14 @@ class MemoryStore:
             if record.state == _PENDING:  # a tombstone stays what it first became
                 record.state = state
 
-    async def load(self, subscription: str, now_ms: int) -> EngineSnapshot:
+    async def load(
+        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+    ) -> EngineSnapshot:
         self._enter("load")
         data = self._data(subscription)
         pending = tuple(r.message for r in data.records.values() if r.state == _PENDING)
+        if progress is not None:
+            progress(len(pending) + len(data.cursors))
         return EngineSnapshot(cursors=tuple(data.cursors.values()), pending=pending)
 
     async def close(self) -> None:

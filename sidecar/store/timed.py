@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, Message
-from sidecar.store_api import IncomingMessage, PersistResult, Store
+from sidecar.store.api import IncomingMessage, PersistResult, Store
 
 
 class TimedStore:
@@ -30,8 +30,10 @@ class TimedStore:
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
         await self._inner.mark_done(subscription, messages, state, now_ms)
 
-    async def load(self, subscription: str, now_ms: int) -> EngineSnapshot:
-        return await self._inner.load(subscription, now_ms)
+    async def load(
+        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+    ) -> EngineSnapshot:
+        return await self._inner.load(subscription, now_ms, progress)
 
     async def close(self) -> None:
         await self._inner.close()

@@ -1,7 +1,8 @@
 """Firestore document layout of the store: ids, fields, sizes, chunks. Pure: no I/O, no Google imports.
 
-``sidecar.store`` turns the plain Python values built here (str, int, bytes, bool, list of str,
-datetime) into Firestore writes, and hands back what it read as plain dicts to decode here.
+``sidecar.store.document_store`` writes the plain Python values built here (str, int, bytes, bool,
+list of str, datetime) through ``sidecar.store.documents``, and hands back what it read as plain
+dicts to decode here.
 
 Rules:
 
@@ -26,13 +27,17 @@ import hashlib
 from typing import Any
 
 from sidecar.engine.types import Message, Payload
-from sidecar.store_api import IncomingMessage
+from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED, IncomingMessage
 
 PENDING = "pending"
 ACKED = "acked"
-DEAD_LETTERED = "dead_lettered"
-DROPPED = "dropped"
-DONE_STATES = frozenset({ACKED, DEAD_LETTERED, DROPPED})
+DONE_STATES = frozenset({ACKED, DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED})
+FINISH_STATES = frozenset({DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED})
+"""What ``Store.mark_done`` accepts (acks go through ``commit_acks``)."""
+
+LAYOUT_VERSION = 1
+"""Written as ``v`` on every document; a document with a higher ``v`` (a newer sidecar wrote it)
+stops recovery rather than being misread. A document without ``v`` is read as version 1."""
 
 MAX_DOCUMENT_BYTES = 1_048_576
 """Firestore's per-document limit (storage size, field names included)."""
@@ -132,11 +137,9 @@ def document_size(relative_path: str, fields: dict[str, Any]) -> int:
     return name + 32 + sum(len(field.encode()) + 1 + value_size(value) for field, value in fields.items())
 
 
-def message_fields(incoming: IncomingMessage, token: str, now_ms: int, chunks: int) -> dict[str, Any]:
+def message_fields(incoming: IncomingMessage, now_ms: int, chunks: int) -> dict[str, Any]:
     """A pending message document. ``data`` is inline unless ``chunks`` > 0.
 
-    ``w`` is the writer token of this create attempt: when a create's outcome was unknown (the RPC
-    failed after maybe applying), a later ALREADY_EXISTS is ours exactly when ``w`` matches.
     Pending documents never carry ``expire_at``: TTL must never delete an undelivered message.
     """
     fields: dict[str, Any] = {
@@ -150,7 +153,7 @@ def message_fields(incoming: IncomingMessage, token: str, now_ms: int, chunks: i
         "stored_ms": now_ms,
         "state": PENDING,
         "chunks": chunks,
-        "w": token,
+        "v": LAYOUT_VERSION,
     }
     if incoming.sequence is not None:
         fields["seq"] = incoming.sequence
@@ -166,11 +169,24 @@ def message_from_incoming(incoming: IncomingMessage, now_ms: int, ref: str) -> M
 
 
 class CorruptDocument(ValueError):
-    """A stored document lacks a field the store always writes (edited by hand, or foreign)."""
+    """A stored document lacks a field the store always writes (edited by hand, or foreign), or
+    comes from a newer layout. Recovery stops on it with this message, naming the document."""
+
+
+def check_version(what: str, fields: dict[str, Any]) -> None:
+    version = fields.get("v", 1)
+    if type(version) is not int or version < 1:
+        raise CorruptDocument(f"{what}: layout version v={version!r} is not a positive integer")
+    if version > LAYOUT_VERSION:
+        raise CorruptDocument(
+            f"{what}: layout version {version} is newer than this sidecar's {LAYOUT_VERSION} "
+            "(a newer release wrote it): upgrade this sidecar"
+        )
 
 
 def message_from_fields(doc_id: str, fields: dict[str, Any], data: bytes | None = None) -> Message:
     """Decode a pending message document; ``data`` overrides the inline data (reassembled chunks)."""
+    check_version(f"message document {doc_id}", fields)
     try:
         flat = list(fields.get("attrs") or [])
         attributes = dict(zip(flat[0::2], flat[1::2], strict=True))

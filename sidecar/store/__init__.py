@@ -1,0 +1,40 @@
+"""Durable storage: what the sidecar keeps in Firestore, and how it rebuilds itself from it.
+
+One job per module (read them in this order):
+
+- ``api``: the ``Store`` protocol and its types and errors (what the rest of the sidecar sees).
+- ``layout``: document ids, fields, sizes and chunks. Pure.
+- ``cursors``: per-key durable cursor state, the fold that builds it, and write coalescing. Pure.
+- ``recovery``: documents in, the engine's snapshot out. Pure.
+- ``documents``: the seam to a document database: plain writes, reads and queries.
+- ``persist``, ``document_store``: the ``Store`` over that seam (what to write, in which Commit).
+- ``firestore``: the seam on Firestore; the only module that imports google-cloud-firestore.
+- ``memory_documents``: the seam in memory, with Firestore's semantics (crash simulation, tests).
+- ``memory``: a simpler in-memory ``Store`` for delivery tests and benchmarks. Not durable.
+- ``timed``: a ``Store`` wrapper that times ``persist`` for the metrics.
+
+This package imports no Google library itself: ``sidecar.store.firestore`` is imported by name
+where Firestore is wanted.
+"""
+
+from sidecar.store.api import (
+    IncomingMessage,
+    PersistOutcome,
+    PersistResult,
+    Store,
+    StoreError,
+    StoreRejected,
+    StoreUnavailable,
+    SubscriptionStoreConfig,
+)
+
+__all__ = [
+    "IncomingMessage",
+    "PersistOutcome",
+    "PersistResult",
+    "Store",
+    "StoreError",
+    "StoreRejected",
+    "StoreUnavailable",
+    "SubscriptionStoreConfig",
+]

@@ -1,0 +1,140 @@
+"""What the sidecar asks of durable storage, independent of Firestore: the ``Store`` protocol and its types.
+
+``sidecar.store.document_store.DocumentStore`` implements it over a document database
+(``sidecar.store.firestore`` for Firestore); ``sidecar.store.memory.MemoryStore`` implements it in
+memory for component tests (not durable). Ingest calls ``persist``; delivery calls ``commit_acks``
+and only then confirms the acks to the app; recovery calls ``load`` before anything is delivered.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.engine.types import AckIntent, DeadLetterPolicy, EngineSnapshot, Message, Mode, Payload
+
+DEAD_LETTERED = "dead_lettered"
+"""``mark_done`` state: dead-lettered in its key's order (attempts exhausted, or the app asked)."""
+DEAD_LETTERED_ASIDE = "dead_lettered_aside"
+"""``mark_done`` state: dead-lettered outside its key's order (late, conflicting, below the cursor)."""
+DROPPED = "dropped"
+"""``mark_done`` state: a duplicate the engine found, whose record no held message shares."""
+
+
+class StoreError(Exception):
+    """Base of the store's errors; third-party errors are translated into these at the boundary."""
+
+
+class StoreUnavailable(StoreError):
+    """Transient: nothing was decided, try again later (Pub/Sub keeps the message meanwhile)."""
+
+
+class StoreRejected(StoreError):
+    """Permanent for this input (e.g. larger than any document split allows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionStoreConfig:
+    """What the store needs to know about one subscription."""
+
+    mode: Mode
+    dedup_ttl_ms: int = 7 * 24 * 3600 * 1000
+    on_dead_letter: DeadLetterPolicy = "block"
+    sequence_start: int = 1
+    first_sequence_any: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sequence", "watermark", "none"):
+            raise ValueError(f"mode: must be sequence, watermark or none, got {self.mode!r}")
+        if self.dedup_ttl_ms <= 0:
+            raise ValueError(f"dedup_ttl_ms: must be positive, got {self.dedup_ttl_ms}")
+        if self.on_dead_letter not in ("block", "skip"):
+            raise ValueError(f"on_dead_letter: must be block or skip, got {self.on_dead_letter!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingMessage:
+    """A Pub/Sub message classified by ingest (key, position, dedup id), ready to persist."""
+
+    key: str
+    dedup_id: str
+    message_id: str
+    data: bytes
+    attributes: dict[str, str]
+    ordering_key: str
+    publish_time_ms: int
+    fingerprint: bytes
+    sequence: int | None = None
+    timestamp_ms: int | None = None
+
+    def to_message(self, stored_at_ms: int, ref: str) -> Message:
+        """The engine's view of this message once a store made it durable under ``ref``."""
+        return Message(
+            key=self.key,
+            dedup_id=self.dedup_id,
+            message_id=self.message_id,
+            fingerprint=self.fingerprint,
+            stored_at_ms=stored_at_ms,
+            sequence=self.sequence,
+            timestamp_ms=self.timestamp_ms,
+            payload=Payload(
+                data=self.data,
+                attributes=dict(self.attributes),
+                publish_time_ms=self.publish_time_ms,
+                ordering_key=self.ordering_key,
+                ref=ref,
+            ),
+        )
+
+
+class PersistOutcome(enum.Enum):
+    STORED = "stored"
+    """Newly durable: hand ``message`` to the engine, then ack Pub/Sub."""
+    DUPLICATE = "duplicate"
+    """Already stored with the same content: ack Pub/Sub (after handing ``pending`` to the engine)."""
+    CONFLICT = "conflict"
+    """Same identity (key and sequence) with other content: dead-letter the new one, then ack
+    (after handing ``pending``, the stored original, to the engine)."""
+    FAILED = "failed"
+    """Not decided (``error`` says why): do not ack; Pub/Sub redelivers."""
+
+
+@dataclass(frozen=True, slots=True)
+class PersistResult:
+    outcome: PersistOutcome
+    message: Message
+    error: StoreError | None = None
+    pending: Message | None = None
+    """DUPLICATE or CONFLICT: the stored copy when it is still pending. It may be one the engine has
+    never seen (a create that applied although its RPC failed, or a restart's load raced with it),
+    so it is handed to the engine too, which drops it if it holds it already."""
+
+
+class Store(Protocol):
+    async def persist(
+        self, subscription: str, batch: Sequence[IncomingMessage], now_ms: int
+    ) -> list[PersistResult]:
+        """Make each message durable unless it already is; one result per input, in order."""
+        ...
+
+    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
+        """Make app acks durable (tombstones plus coalesced cursors). Raises StoreError if not."""
+        ...
+
+    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+        """Record a terminal state other than an ack: "dead_lettered" (in the key's order: moves or
+        blocks the cursor), "dead_lettered_aside" (late or conflicting: outside the key's order) or
+        "dropped" (a duplicate the engine found, e.g. below the cursor). Raises StoreError if not durable."""
+        ...
+
+    async def load(
+        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+    ) -> EngineSnapshot:
+        """Cursors and pending messages, to rebuild the engine before anything is delivered.
+        ``progress`` is called with the number of documents read so far, as reading goes on.
+        Raises StoreRejected, naming the document, on a document it cannot read as its own."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,281 @@
+"""Per-key cursors of the store: what is durable per key, how it folds, when it is written. Pure.
+
+A key's durable state (``KeyState``) is a fold over the finishes the store made durable, in the
+order their Commits succeeded: acks (with the engine's cursor for them, ``AckIntent.cursor``) and
+dead letters in the key's order. ``fold_ack`` and ``fold_dead_letter`` are that fold; the book
+applies them after each Commit, and recovery (``sidecar.store.recovery``) applies the very same
+functions to the cursor documents and the tombstones it reads back, so the book before a crash and
+the state rebuilt after it cannot disagree.
+
+Invariants:
+
+- **Nothing runs ahead of durability.** A change enters the book only after the Commit holding
+  the tombstones behind it succeeded (``propose`` returns copies; ``accept`` keeps them). The
+  writer puts all of one key's tombstones of an ack batch in one Commit, so a cursor never becomes
+  durable past a message whose tombstone is in a later Commit (a crash between two Commits of one
+  batch leaves the cursor behind, never ahead).
+- **Sequence mode keeps the finished sequences above the cursor** (``done_above``): an app with
+  ``max_in_flight_per_key`` > 1 may ack N+1 before N, and a dead letter under ``skip`` may finish
+  N+1 while N is in flight. The cursor then walks over them as soon as N finishes, before and
+  after a restart alike. The set is bounded by the key's in-flight window.
+- **Dead letters in the key's order** only: under ``skip`` they finish their position like an ack;
+  under ``block`` they record ``blocked_at``. Late and conflicting messages are dead-lettered
+  *aside* (``layout.DEAD_LETTERED_ASIDE``) and never touch the cursor.
+- **Cursors never move back**: every fold takes the maximum.
+- **Coalescing.** A key's cursor document is written at most once per ``interval_ms`` (Firestore
+  sustains about one write per second per document); changes in between leave the key ``dirty``
+  with the time of its oldest unwritten change, and a later Commit (an ack batch or the background
+  flush) writes it. ``clean_through_ms`` is the time before which every durable change is in a
+  cursor document: recovery folds in the tombstones finished after the checkpointed value.
+- **Cursor documents never expire.** A key's cursor must outlive every message that can still
+  come for it: a cursor that expired would restart the key at ``start`` (its next message waits
+  forever for sequence 1, and a replay of old messages is delivered again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.engine.types import AckIntent, DeadLetterPolicy, KeyCursor, Message, Mode
+from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument, check_version
+
+Position = tuple[int, str]
+Cursor = int | Position
+
+
+@dataclass(slots=True)
+class KeyState:
+    key: str
+    next_sequence: int | None = None
+    """sequence mode: the next sequence to deliver (None: nothing known)."""
+    last_position: Position | None = None
+    """watermark mode: the highest position acked in order."""
+    done_above: set[int] = field(default_factory=set)
+    """sequence mode: sequences above ``next_sequence`` already finished durably."""
+    blocked_at: Cursor | None = None
+    """The in-order dead letter the key stopped at under ``on_dead_letter: block``."""
+    written_ms: int | None = None
+    """When this process last wrote the key's cursor document (None: not since start)."""
+    dirty_since_ms: int | None = None
+    """Oldest durable change not yet in the cursor document (None: the document is current)."""
+
+    def copy(self) -> KeyState:
+        return dataclasses.replace(self, done_above=set(self.done_above))
+
+
+def _max(current: Any, new: Any) -> Any:
+    return new if current is None or (new is not None and new > current) else current
+
+
+def _walk(state: KeyState) -> None:
+    """Sequence mode: move the cursor over finished sequences at it; forget those below it."""
+    if state.next_sequence is None or not state.done_above:
+        return
+    while state.next_sequence in state.done_above:
+        state.done_above.discard(state.next_sequence)
+        state.next_sequence += 1
+    nxt = state.next_sequence
+    state.done_above = {seq for seq in state.done_above if seq > nxt}
+
+
+@dataclass(frozen=True, slots=True)
+class CursorRules:
+    """What the fold needs to know of a subscription's configuration."""
+
+    mode: Mode
+    on_dead_letter: DeadLetterPolicy = "block"
+    sequence_start: int | None = 1
+    """Where a new key starts in sequence mode; None with ``first_sequence: any`` (adopted)."""
+
+    def new_state(self, key: str) -> KeyState:
+        return KeyState(key, next_sequence=self.sequence_start if self.mode == "sequence" else None)
+
+
+def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None) -> None:
+    """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``."""
+    if mode == "sequence":
+        if isinstance(cursor, int):
+            state.next_sequence = _max(state.next_sequence, cursor)
+        if isinstance(position, int) and state.next_sequence is not None and position >= state.next_sequence:
+            state.done_above.add(position)
+        _walk(state)
+    elif mode == "watermark" and isinstance(cursor, tuple):
+        state.last_position = _max(state.last_position, (int(cursor[0]), str(cursor[1])))
+
+
+def fold_dead_letter(state: KeyState, mode: Mode, position: int | Position, policy: DeadLetterPolicy) -> None:
+    """A durable dead letter of the key's message at ``position``, in the key's order."""
+    if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
+        state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
+    if policy == "block":
+        if state.blocked_at is None or position < state.blocked_at:  # type: ignore[operator]
+            state.blocked_at = position
+        return
+    if mode == "sequence" and isinstance(position, int):
+        if state.next_sequence is not None and position >= state.next_sequence:
+            state.done_above.add(position)
+            _walk(state)
+    # watermark + skip: the ack after it carries a cursor past it (the engine counts it as finished).
+
+
+def is_blocked(state: KeyState) -> bool:
+    if state.blocked_at is None:
+        return False
+    if isinstance(state.blocked_at, int):
+        return state.next_sequence is None or state.blocked_at >= state.next_sequence
+    return state.last_position is None or state.blocked_at > state.last_position
+
+
+def position_of(message: Message) -> int | Position | None:
+    if message.sequence is not None:
+        return message.sequence
+    if message.timestamp_ms is not None:
+        return (message.timestamp_ms, message.dedup_id)
+    return None
+
+
+class CursorBook:
+    """The durable per-key cursors of one subscription, and which of them still need writing."""
+
+    def __init__(self, rules: CursorRules, interval_ms: int) -> None:
+        self.rules = rules
+        self.mode = rules.mode
+        self.policy = rules.on_dead_letter
+        self.interval_ms = interval_ms
+        self.states: dict[str, KeyState] = {}
+        self._dirty: set[str] = set()
+
+    def _copy(self, key: str, proposed: dict[str, KeyState]) -> KeyState:
+        state = proposed.get(key)
+        if state is None:
+            current = self.states.get(key)
+            state = current.copy() if current is not None else self.rules.new_state(key)
+            proposed[key] = state
+        return state
+
+    def propose(self, acks: Sequence[AckIntent], dead_letters: Sequence[Message], now_ms: int) -> dict[str, KeyState]:
+        """Copies of the affected keys' states with ``acks`` and in-order ``dead_letters`` folded in."""
+        proposed: dict[str, KeyState] = {}
+        if self.mode == "none":
+            return proposed  # none mode keeps no cursor
+        for ack in acks:
+            state = self._copy(ack.message.key, proposed)
+            before = cursor_fields(state)
+            fold_ack(state, self.mode, position_of(ack.message), ack.cursor)
+            self._touch(state, before, now_ms)
+        for message in dead_letters:
+            position = position_of(message)
+            if position is None:
+                continue
+            state = self._copy(message.key, proposed)
+            before = cursor_fields(state)
+            fold_dead_letter(state, self.mode, position, self.policy)
+            self._touch(state, before, now_ms)
+        return proposed
+
+    @staticmethod
+    def _touch(state: KeyState, before: dict[str, Any], now_ms: int) -> None:
+        if state.dirty_since_ms is None and cursor_fields(state) != before:
+            state.dirty_since_ms = now_ms
+
+    def due(self, now_ms: int, proposed: dict[str, KeyState], limit: int) -> list[KeyState]:
+        """Dirty states (proposed first, then the book's) whose document may be written now."""
+        candidates = dict(proposed)
+        for key in self._dirty:
+            candidates.setdefault(key, self.states[key])
+        due = [
+            state
+            for state in candidates.values()
+            if state.dirty_since_ms is not None
+            and (state.written_ms is None or now_ms - state.written_ms >= self.interval_ms)
+        ]
+        return due[:limit]
+
+    def accept(self, proposed: dict[str, KeyState], written: Iterable[KeyState], now_ms: int) -> None:
+        """After a successful Commit: keep ``proposed``, and mark ``written`` documents current."""
+        self.states.update(proposed)
+        self._dirty.update(key for key, state in proposed.items() if state.dirty_since_ms is not None)
+        for state in written:
+            kept = self.states.setdefault(state.key, state)
+            kept.written_ms = now_ms
+            kept.dirty_since_ms = None
+            self._dirty.discard(state.key)
+
+    def restore(self, states: dict[str, KeyState], dirty_since_ms: int) -> None:
+        """Replace the book with recovered states; keys whose document lagged are dirty."""
+        self.states = states
+        self._dirty = {key for key, state in states.items() if state.dirty_since_ms is not None}
+        for key in self._dirty:
+            states[key].dirty_since_ms = dirty_since_ms
+
+    def dirty_states(self, proposed: dict[str, KeyState]) -> list[KeyState]:
+        """Every state with an unwritten change, ``proposed`` taking precedence over the book."""
+        merged = {key: self.states[key] for key in self._dirty}
+        merged.update(proposed)
+        return [state for state in merged.values() if state.dirty_since_ms is not None]
+
+    def has_dirty(self) -> bool:
+        return bool(self._dirty)
+
+
+def cursor_fields(state: KeyState) -> dict[str, Any]:
+    """A cursor document's fields (without ``written_ms``, which the writer adds)."""
+    fields: dict[str, Any] = {"key": state.key, "v": LAYOUT_VERSION}
+    if state.next_sequence is not None:
+        fields["next_seq"] = state.next_sequence
+    if state.done_above:
+        fields["above_seq"] = sorted(state.done_above)
+    if state.last_position is not None:
+        fields["pos_ts"], fields["pos_id"] = state.last_position
+    if isinstance(state.blocked_at, int):
+        fields["blk_seq"] = state.blocked_at
+    elif state.blocked_at is not None:
+        fields["blk_ts"], fields["blk_id"] = state.blocked_at
+    return fields
+
+
+def state_from_cursor_doc(doc_id: str, fields: dict[str, Any]) -> KeyState:
+    """Decode a cursor document; raises CorruptDocument naming it when it is not one of ours."""
+    what = f"cursor document keys/{doc_id}"
+    check_version(what, fields)
+    try:
+        key = fields["key"]
+        if not isinstance(key, str):
+            raise TypeError(f"key is {type(key).__name__}, not a string")
+        state = KeyState(key)
+        if fields.get("next_seq") is not None:
+            state.next_sequence = _int(fields["next_seq"])
+        state.done_above = {_int(seq) for seq in fields.get("above_seq") or []}
+        if fields.get("pos_ts") is not None:
+            state.last_position = (_int(fields["pos_ts"]), str(fields["pos_id"]))
+        if fields.get("blk_seq") is not None:
+            state.blocked_at = _int(fields["blk_seq"])
+        elif fields.get("blk_ts") is not None:
+            state.blocked_at = (_int(fields["blk_ts"]), str(fields["blk_id"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptDocument(f"{what}: {exc!r}") from exc
+    return state
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def key_cursor(state: KeyState, mode: Mode) -> KeyCursor | None:
+    """The engine's view of a recovered key (None when there is nothing to restore)."""
+    blocked = is_blocked(state)
+    if mode == "sequence" and state.next_sequence is not None:
+        return KeyCursor(
+            key=state.key,
+            next_sequence=state.next_sequence,
+            blocked=blocked,
+            acked_above=tuple(sorted(state.done_above)),
+        )
+    if mode == "watermark" and (state.last_position is not None or blocked):
+        return KeyCursor(key=state.key, last_position=state.last_position, blocked=blocked)
+    return None

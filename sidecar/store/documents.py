@@ -1,0 +1,141 @@
+"""The seam between the store's logic and a document database: plain writes in, plain fields out.
+
+``sidecar.store.document_store`` decides *what* to write and read; an implementation of
+``Documents`` does it: ``sidecar.store.firestore`` on Firestore (the one module that imports the
+Firestore client), ``sidecar.store.memory_documents`` in memory (crash simulation and tests).
+Keeping the seam this small is what lets the crash simulation run the store's real write planning
+against an in-memory model with Firestore's semantics.
+
+Semantics every implementation keeps (Firestore's own):
+
+- Paths are relative to the database's ``documents/`` root, e.g. ``pubsub-sidecar/orders/keys/ab12``.
+- Values are ``None``, ``bool``, ``int``, ``str``, ``bytes``, ``datetime`` (UTC) and lists of these.
+- ``commit`` is atomic: every write applies, or none (one failed precondition fails all).
+- ``batch_write`` is not atomic: one status per write, index-aligned (gRPC codes, 0 = OK).
+- A write with ``mask`` updates only the named fields (a named field absent from ``fields`` is
+  deleted); without a mask the document is replaced. ``exists=False`` is a create (ALREADY_EXISTS
+  if present), ``exists=True`` requires the document (NOT_FOUND otherwise).
+- Errors: ``Unavailable`` (transient; a write may or may not have applied), ``RequestRejected``
+  (the request was refused as invalid, nothing applied), ``Misconfigured`` (permission, missing
+  database or index: nothing a retry of the same call fixes soon), ``AlreadyExists`` (``commit``
+  only: a create found its document).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from sidecar.store.api import StoreError, StoreRejected, StoreUnavailable
+
+Fields = dict[str, Any]
+Operator = Literal["EQUAL", "GREATER_THAN_OR_EQUAL"]
+
+OK = 0
+ALREADY_EXISTS = 6
+RETRYABLE_CODES = frozenset({1, 2, 4, 8, 10, 13, 14})
+"""Per-write statuses of BatchWrite that are transient (CANCELLED .. UNAVAILABLE)."""
+INPUT_CODES = frozenset({3, 11})
+"""INVALID_ARGUMENT and OUT_OF_RANGE: the write itself was refused."""
+
+MAX_WRITES = 500
+"""Writes per Commit/BatchWrite request (Firestore's long-standing bound)."""
+
+
+class Unavailable(StoreUnavailable):
+    """Transient. For a write: it may have applied (the answer was lost)."""
+
+
+class RequestRejected(StoreRejected):
+    """The request was refused as invalid; nothing applied."""
+
+
+class Misconfigured(StoreRejected):
+    """Permission, database or index trouble: an operator must act."""
+
+
+class AlreadyExists(StoreError):
+    """``commit``: a create precondition found its document; nothing applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """One document write. Build with ``create``, ``replace``, ``merge`` or ``delete``."""
+
+    path: str
+    fields: Mapping[str, Any] | None = None
+    """None for a delete."""
+    mask: tuple[str, ...] | None = None
+    """Field paths to update (absent from ``fields``: deleted); None replaces the document."""
+    exists: bool | None = None
+    """Precondition: False = must not exist (create), True = must exist, None = none."""
+
+    @property
+    def is_delete(self) -> bool:
+        return self.fields is None
+
+
+def create(path: str, fields: Mapping[str, Any]) -> Write:
+    return Write(path, fields, None, False)
+
+
+def replace(path: str, fields: Mapping[str, Any]) -> Write:
+    return Write(path, fields)
+
+
+def merge(path: str, fields: Mapping[str, Any], mask: Sequence[str]) -> Write:
+    return Write(path, fields, tuple(mask))
+
+
+def delete(path: str) -> Write:
+    return Write(path)
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    field: str
+    op: Operator
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a query: (document id, fields) in (``order_by``, name) order, and where to go on."""
+
+    documents: list[tuple[str, Fields]]
+    after: object | None
+    """Opaque cursor for the next page; None when this page was the last."""
+
+
+class Documents(Protocol):
+    async def commit(self, writes: Sequence[Write]) -> None:
+        """Apply all writes atomically, or raise."""
+        ...
+
+    async def batch_write(self, writes: Sequence[Write]) -> list[tuple[int, str]]:
+        """Apply each write on its own: (gRPC code, message) per write. Raises only for the whole call."""
+        ...
+
+    async def get_all(self, paths: Sequence[str]) -> dict[str, Fields | None]:
+        """Fields by path, None for a missing document, in one batched read."""
+        ...
+
+    async def query(
+        self,
+        parent: str,
+        collection: str,
+        where: Filter | None,
+        order_by: str | None,
+        after: object | None,
+        limit: int,
+    ) -> Page:
+        """Documents of ``parent/collection`` matching ``where``, ordered by (``order_by``, name)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def utc_from_ms(ms: int) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)

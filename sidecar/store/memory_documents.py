@@ -1,0 +1,193 @@
+"""``documents.Documents`` in memory, with Firestore's semantics: for the crash simulation and tests.
+
+NOT DURABLE by itself: it lives as long as the object. What makes it useful is that it keeps the
+rules the store relies on, exactly: atomic Commits (all writes or none; one failed precondition
+fails all), per-write BatchWrite statuses, masks that delete the named fields they do not set,
+``exists`` preconditions, queries ordered by (field, name) with documents that lack the field
+excluded, and TTL: ``expire(now_ms)`` deletes every document whose ``expire_at`` is in the past,
+as a TTL policy on ``expire_at`` does (production deletes within about a day; a test calls it when
+it wants the deletes to have happened).
+
+Faults for the simulation: ``before_write`` is called with ("commit" | "batch_write", writes) before
+anything applies and may raise (the write did not happen); ``after_write`` is called after the
+writes applied and may raise (the write happened, the caller never hears so: an ambiguous failure).
+Counters: ``reads``, ``writes``, ``deletes`` (TTL deletes included), as Firestore bills them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sidecar.store import documents as docs
+
+WriteHook = Callable[[str, Sequence[docs.Write]], None]
+
+
+class MemoryDocuments:
+    def __init__(self) -> None:
+        self.docs: dict[str, docs.Fields] = {}
+        self.before_write: WriteHook | None = None
+        self.after_write: WriteHook | None = None
+        self.reads = 0
+        self.writes = 0
+        self.deletes = 0
+        self.closed = False
+
+    # ---- Documents --------------------------------------------------------------------------
+
+    async def commit(self, writes: Sequence[docs.Write]) -> None:
+        self._check(writes)
+        if self.before_write is not None:
+            self.before_write("commit", writes)
+        staged = dict(self.docs)
+        for write in writes:
+            code, message = self._apply(staged, write)
+            if code == docs.ALREADY_EXISTS:
+                raise docs.AlreadyExists(f"commit: {message}")
+            if code != docs.OK:
+                raise docs.RequestRejected(f"commit: {message}")
+        self.docs = staged
+        self._count(writes)
+        if self.after_write is not None:
+            self.after_write("commit", writes)
+
+    async def batch_write(self, writes: Sequence[docs.Write]) -> list[tuple[int, str]]:
+        self._check(writes)
+        if len({write.path for write in writes}) != len(writes):
+            raise docs.RequestRejected("batch write: a document is written twice in one request")
+        if self.before_write is not None:
+            self.before_write("batch_write", writes)
+        statuses = []
+        applied = []
+        for write in writes:
+            status = self._apply(self.docs, write)
+            statuses.append(status)
+            if status[0] == docs.OK:
+                applied.append(write)
+        self._count(applied)
+        if self.after_write is not None:
+            self.after_write("batch_write", writes)
+        return statuses
+
+    async def get_all(self, paths: Sequence[str]) -> dict[str, docs.Fields | None]:
+        self._check_open()
+        self.reads += max(1, len(paths)) if paths else 0
+        return {path: copy.deepcopy(self.docs.get(path)) for path in paths}
+
+    async def query(
+        self,
+        parent: str,
+        collection: str,
+        where: docs.Filter | None,
+        order_by: str | None,
+        after: object | None,
+        limit: int,
+    ) -> docs.Page:
+        self._check_open()
+        prefix = f"{parent}/{collection}/"
+        rows: list[tuple[Any, str, docs.Fields]] = []
+        for path, fields in self.docs.items():
+            if not path.startswith(prefix) or "/" in path[len(prefix) :]:
+                continue
+            if where is not None and not _matches(fields, where):
+                continue
+            if order_by is not None and order_by not in fields:
+                continue
+            rows.append((fields.get(order_by) if order_by else None, path, fields))
+        rows.sort(key=lambda row: (_sortable(row[0]), row[1]))
+        if after is not None:
+            rows = [row for row in rows if (_sortable(row[0]), row[1]) > after]
+        page = rows[:limit]
+        self.reads += max(1, len(page))
+        documents = [(path.rpartition("/")[2], copy.deepcopy(fields)) for _, path, fields in page]
+        next_after = (_sortable(page[-1][0]), page[-1][1]) if len(page) >= limit else None
+        return docs.Page(documents, next_after)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    # ---- TTL and inspection -------------------------------------------------------------------
+
+    def expire(self, now_ms: int, field: str = "expire_at") -> int:
+        """Delete every document whose ``field`` is a time before ``now_ms`` (a TTL policy's sweep)."""
+        now = docs.utc_from_ms(now_ms)
+        gone = [
+            path
+            for path, fields in self.docs.items()
+            if isinstance(fields.get(field), datetime.datetime) and fields[field] < now
+        ]
+        for path in gone:
+            del self.docs[path]
+        self.deletes += len(gone)
+        return len(gone)
+
+    def snapshot(self) -> dict[str, docs.Fields]:
+        return copy.deepcopy(self.docs)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise docs.Unavailable("memory documents: closed")
+
+    def _check(self, writes: Sequence[docs.Write]) -> None:
+        self._check_open()
+        if len(writes) > docs.MAX_WRITES:
+            raise docs.RequestRejected(f"{len(writes)} writes in one request (maximum {docs.MAX_WRITES})")
+
+    def _count(self, writes: Sequence[docs.Write]) -> None:
+        for write in writes:
+            if write.is_delete:
+                self.deletes += 1
+            else:
+                self.writes += 1
+
+    @staticmethod
+    def _apply(target: dict[str, docs.Fields], write: docs.Write) -> tuple[int, str]:
+        current = target.get(write.path)
+        if write.exists is False and current is not None:
+            return docs.ALREADY_EXISTS, f"document already exists: {write.path}"
+        if write.exists is True and current is None:
+            return 5, f"no document to update: {write.path}"
+        if write.fields is None:
+            target.pop(write.path, None)
+            return docs.OK, ""
+        if write.mask is None:
+            target[write.path] = copy.deepcopy(dict(write.fields))
+            return docs.OK, ""
+        updated = dict(current or {})
+        for name in write.mask:
+            if name in write.fields:
+                updated[name] = copy.deepcopy(write.fields[name])
+            else:
+                updated.pop(name, None)
+        target[write.path] = updated
+        return docs.OK, ""
+
+
+def _sortable(value: Any) -> Any:
+    """Order values of mixed types as Firestore does for the ones the store uses (null < number < string)."""
+    if value is None:
+        return (0, 0)
+    if isinstance(value, bool):
+        return (1, value)
+    if isinstance(value, int | float):
+        return (2, value)
+    if isinstance(value, datetime.datetime):
+        return (3, value.timestamp())
+    if isinstance(value, str):
+        return (4, value)
+    return (5, repr(value))
+
+
+def _matches(fields: docs.Fields, where: docs.Filter) -> bool:
+    if where.field not in fields:
+        return False
+    value = fields[where.field]
+    if where.op == "EQUAL":
+        return bool(value == where.value)
+    a, b = _sortable(value), _sortable(where.value)
+    return a[0] == b[0] and a >= b

@@ -1,0 +1,157 @@
+"""Recovery: the documents a subscription left in Firestore in, the engine's snapshot out. Pure.
+
+``DocumentStore.load`` reads four things and hands them here: the subscription document (mode and
+``clean_ms``, the cursor checkpoint), every cursor document, every pending message (chunks already
+reassembled), and every tombstone finished at or after ``since_ms(checkpoint)``. Nothing here
+reads, writes or waits, so the rules below are exercised directly by the crash simulation
+(tests/store/test_crash_simulation.py) against any state a crash can leave.
+
+Rules, and why each keeps the guarantees of DESIGN §1:
+
+1. **A key's cursor is the fold of its cursor document and its recent tombstones**, with the same
+   ``fold_ack``/``fold_dead_letter`` the writer used (``sidecar.store.cursors``). The cursor document
+   holds every change up to the checkpoint; every change after it is on a tombstone written in the
+   same Commit as the change itself. So the fold sees every durable finish (G3: a confirmed ack is
+   never delivered again) and nothing that was not durable (a cursor is never ahead of a finish
+   whose tombstone a crash prevented: that message is pending and comes back in order, G1/G2).
+2. **Finished sequences above the cursor** (``done_above``: out-of-order acks with
+   ``max_in_flight_per_key`` > 1, dead letters under ``skip``) are restored as finished
+   placeholders, so the cursor passes them as soon as the message below them is acked: no key waits
+   for a position that is already finished (liveness).
+3. **Dead letters count only in the key's order.** Late and conflicting messages are dead-lettered
+   aside and never block or move a cursor; an in-order dead letter blocks the key under ``block``
+   (as the engine did before the crash) and is passed like an ack under ``skip``.
+4. **Pending messages are handed back as they are**; the engine's restore replays them through its
+   own rules (duplicates of held messages, late messages below the cursor).
+5. **Bounded work.** One pass over what was read: recovery ends in time linear in the documents
+   loaded, whatever the store holds (no read loops driven by what a document says).
+6. **Loud on foreign data.** A document of ours that is malformed or from a newer layout stops
+   recovery with ``CorruptDocument`` naming it; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.engine.types import EngineSnapshot, Message, Mode
+from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
+from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
+from sidecar.store.layout import ACKED, DEAD_LETTERED, DONE_STATES, CorruptDocument, check_version
+
+CHECKPOINT_MARGIN_MS = 5_000
+"""Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
+between the pod that wrote the checkpoint and the one that recovers."""
+
+
+class ModeMismatch(ValueError):
+    """The subscription's documents were written in another ordering mode."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    snapshot: EngineSnapshot
+    states: dict[str, KeyState]
+    """The durable per-key states, for the cursor book (``dirty_since_ms`` set where the cursor
+    document lags behind the tombstones)."""
+    since_ms: int
+
+
+def checkpoint_of(name: str, mode: Mode, path: str, fields: dict[str, Any] | None) -> int | None:
+    """The subscription document's checkpoint; raises ModeMismatch or CorruptDocument."""
+    if fields is None:
+        return None
+    check_version(f"subscription document {path}", fields)
+    if fields.get("mode") != mode:
+        raise ModeMismatch(
+            f"subscription {name!r} is stored in mode {fields.get('mode')!r} at {path!r} but configured as "
+            f"{mode!r}: use a new subscription name, or delete that document tree"
+        )
+    clean = fields.get("clean_ms")
+    if clean is None:
+        return None
+    if type(clean) is not int:
+        raise CorruptDocument(f"subscription document {path}: clean_ms={clean!r} is not an integer")
+    return clean
+
+
+def since_ms(checkpoint: int | None) -> int:
+    """Tombstones finished at or after this time must be folded in."""
+    return 0 if checkpoint is None else checkpoint - CHECKPOINT_MARGIN_MS
+
+
+def recover(
+    rules: CursorRules,
+    cursor_docs: Iterable[tuple[str, dict[str, Any]]],
+    recent_tombstones: Iterable[tuple[str, dict[str, Any]]],
+    pending: list[Message],
+    since: int,
+) -> Recovered:
+    """Fold cursor documents and recent tombstones into per-key states; the snapshot to restore."""
+    mode = rules.mode
+    states: dict[str, KeyState] = {}
+    stored: dict[str, dict[str, Any]] = {}
+    for doc_id, fields in cursor_docs:
+        state = _decode_cursor(doc_id, fields)
+        if state.key in states:
+            raise CorruptDocument(f"cursor document keys/{doc_id}: a second cursor for key {state.key[:100]!r}")
+        if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
+            state.next_sequence = rules.sequence_start
+        states[state.key] = state
+        stored[state.key] = cursor_fields(state)
+    # In Commit order: done_ms, then the cursor each ack carried, makes the fold deterministic.
+    tombstones = sorted(
+        (_tombstone(doc_id, fields, mode) for doc_id, fields in recent_tombstones),
+        key=lambda t: (t[1], t[0]),
+    )
+    for _doc_id, _done_ms, key, state_name, position, cursor in tombstones:
+        if key is None:
+            continue
+        state = states.get(key)
+        if state is None:
+            state = states[key] = rules.new_state(key)
+        if state_name == ACKED:
+            fold_ack(state, mode, position, cursor)
+        elif state_name == DEAD_LETTERED and position is not None:
+            fold_dead_letter(state, mode, position, rules.on_dead_letter)
+    for state in states.values():
+        state.written_ms = None
+        state.dirty_since_ms = 0 if cursor_fields(state) != stored.get(state.key) else None
+    cursors = [key_cursor(state, mode) for state in states.values()]
+    for message in pending:
+        if mode == "sequence" and message.sequence is None:
+            raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no seq")
+        if mode == "watermark" and message.timestamp_ms is None:
+            raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no ts")
+    # Stored order, then position: the engine gets each key's messages in a stable order.
+    ordered = sorted(pending, key=lambda m: (m.stored_at_ms, m.key, m.sequence or 0, m.timestamp_ms or 0, m.dedup_id))
+    snapshot = EngineSnapshot(cursors=tuple(c for c in cursors if c is not None), pending=tuple(ordered))
+    return Recovered(snapshot=snapshot, states=states, since_ms=since)
+
+
+def _tombstone(
+    doc_id: str, fields: dict[str, Any], mode: Mode
+) -> tuple[str, int, str | None, str, Any, Any]:
+    """(doc id, done_ms, key, state, position, cursor) of a finished message document."""
+    what = f"message document {doc_id}"
+    check_version(what, fields)
+    state = fields.get("state")
+    done_ms = fields.get("done_ms")
+    key = fields.get("key")
+    if state not in DONE_STATES or type(done_ms) is not int or not isinstance(key, str):
+        raise CorruptDocument(f"{what}: not a tombstone of ours (state={state!r}, done_ms={done_ms!r})")
+    position: Any = None
+    cursor: Any = None
+    try:
+        if mode == "sequence":
+            position = None if fields.get("seq") is None else int(fields["seq"])
+            cursor = None if fields.get("cursor_seq") is None else int(fields["cursor_seq"])
+        elif mode == "watermark":
+            if fields.get("ts") is not None:
+                position = (int(fields["ts"]), str(fields["dedup_id"]))
+            if fields.get("cursor_ts") is not None:
+                cursor = (int(fields["cursor_ts"]), str(fields["cursor_id"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptDocument(f"{what}: {exc!r}") from exc
+    return doc_id, done_ms, key, state, position, cursor
