@@ -127,6 +127,7 @@ class Engine:
         self._owned: dict[str, deque[KeyState]] = {}  # keys with messages in flight on that consumer
         self._timers = _timers.TimerHeap()
         self._outside: dict[Message, tuple[int, int]] = {}  # dead letters outside any key order: count, n
+        self._outside_ids: dict[object, int] = {}  # their identities: a copy of one is a duplicate
         self._deferred: list[Action] = []
         self._deferred_due_ms: int | None = None
         self._arrivals: deque[Entry] = deque()
@@ -230,6 +231,10 @@ class Engine:
         "late"), Hold with its reason, or [] when it is ready (delivery is pulled with ``take``)."""
         self._n += 1
         self._stored += 1
+        if self._outside_ids and _identity(message) in self._outside_ids:
+            # Its record is the one being dead-lettered: it must stay pending until that is recorded.
+            self._counts["duplicates"] += 1
+            return [DropDuplicate(message, "duplicate of a message being dead-lettered")]
         key = None
         if self._none is not None:
             action, entry = self._none.arrive(message, self._n, now_ms)
@@ -260,6 +265,8 @@ class Engine:
                     counts["late"] += 1
                 held = self._outside.get(message)
                 self._outside[message] = (1, self._n) if held is None else (held[0] + 1, held[1])
+                ident = _identity(message)
+                self._outside_ids[ident] = self._outside_ids.get(ident, 0) + 1
         if key is not None:
             self._refresh(key, now_ms)
         return [] if action is None else [action]
@@ -326,6 +333,11 @@ class Engine:
                 if key.queued == queue_name:
                     key.queued = None
         return False
+
+    def is_in_flight(self, delivery_id: str) -> bool:
+        """True while ``delivery_id`` is delivered and not yet acked, nacked, expired or returned."""
+        entry = self._deliveries.get(delivery_id)
+        return entry is not None and entry.state == OUT
 
     def ack(self, consumer: str, delivery_id: str, now_ms: int) -> AckIntent:
         """The app acked: the message is now acking (keeps its slot, never redelivered) until
@@ -413,6 +425,11 @@ class Engine:
                 self._outside[message] = (count - 1, n)
             else:
                 del self._outside[message]
+            ident = _identity(message)
+            if self._outside_ids.get(ident, 0) > 1:
+                self._outside_ids[ident] -= 1
+            else:
+                self._outside_ids.pop(ident, None)
             return []
         entry = self._find(message)
         if entry is None or entry.state != DEAD or entry.message != message:
@@ -831,6 +848,13 @@ def _validate(config: EngineConfig) -> None:
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _identity(message: Message) -> object:
+    """What makes two stored copies one record: (key, sequence) in sequence mode, else the dedup id."""
+    if message.sequence is not None:
+        return (message.key, message.sequence)
+    return message.dedup_id
 
 
 def _stored_at(message: Message) -> int:

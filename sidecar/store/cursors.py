@@ -18,9 +18,10 @@ Invariants:
   ``max_in_flight_per_key`` > 1 may ack N+1 before N, and a dead letter under ``skip`` may finish
   N+1 while N is in flight. The cursor then walks over them as soon as N finishes, before and
   after a restart alike. The set is bounded by the key's in-flight window.
-- **Dead letters in the key's order** only: under ``skip`` they finish their position like an ack;
-  under ``block`` they record ``blocked_at``. Late and conflicting messages are dead-lettered
-  *aside* (``layout.DEAD_LETTERED_ASIDE``) and never touch the cursor.
+- **Dead letters in the key's order**: under ``skip`` they finish their position like an ack;
+  under ``block`` they record ``blocked_at``. Late messages are dead-lettered *aside*
+  (``layout.DEAD_LETTERED_ASIDE``): they never block a key; in sequence mode they finish their
+  position (it will never be delivered), so a restarted key does not wait for it again.
 - **Cursors never move back**: every fold takes the maximum.
 - **Coalescing.** A key's cursor document is written at most once per ``interval_ms`` (Firestore
   sustains about one write per second per document); changes in between leave the key ``dirty``
@@ -106,8 +107,21 @@ def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, curso
         state.last_position = _max(state.last_position, (int(cursor[0]), str(cursor[1])))
 
 
-def fold_dead_letter(state: KeyState, mode: Mode, position: int | Position, policy: DeadLetterPolicy) -> None:
-    """A durable dead letter of the key's message at ``position``, in the key's order."""
+def fold_dead_letter(
+    state: KeyState, mode: Mode, position: int | Position, policy: DeadLetterPolicy, *, in_order: bool = True
+) -> None:
+    """A durable dead letter of the key's message at ``position``.
+
+    In the key's order it blocks the key (``block``) or finishes its position (``skip``). Aside (a
+    late message) it never blocks; in sequence mode it still finishes its position, since that
+    sequence will never be delivered: a restarted key does not wait for it again.
+    """
+    if not in_order:
+        if mode == "sequence" and isinstance(position, int):
+            if state.next_sequence is not None and position >= state.next_sequence:
+                state.done_above.add(position)
+                _walk(state)
+        return
     if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
     if policy == "block":
@@ -156,8 +170,15 @@ class CursorBook:
             proposed[key] = state
         return state
 
-    def propose(self, acks: Sequence[AckIntent], dead_letters: Sequence[Message], now_ms: int) -> dict[str, KeyState]:
-        """Copies of the affected keys' states with ``acks`` and in-order ``dead_letters`` folded in."""
+    def propose(
+        self,
+        acks: Sequence[AckIntent],
+        dead_letters: Sequence[Message],
+        now_ms: int,
+        aside: Sequence[Message] = (),
+    ) -> dict[str, KeyState]:
+        """Copies of the affected keys' states with ``acks``, in-order ``dead_letters`` and dead
+        letters ``aside`` (late) folded in."""
         proposed: dict[str, KeyState] = {}
         if self.mode == "none":
             return proposed  # none mode keeps no cursor
@@ -173,6 +194,14 @@ class CursorBook:
             state = self._copy(message.key, proposed)
             before = cursor_fields(state)
             fold_dead_letter(state, self.mode, position, self.policy)
+            self._touch(state, before, now_ms)
+        for message in aside:
+            position = position_of(message)
+            if position is None:
+                continue
+            state = self._copy(message.key, proposed)
+            before = cursor_fields(state)
+            fold_dead_letter(state, self.mode, position, self.policy, in_order=False)
             self._touch(state, before, now_ms)
         return proposed
 

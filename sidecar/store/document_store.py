@@ -88,14 +88,14 @@ class _Subscription:
 class _Finish:
     """One tombstone to write: which document, which state, and what it tells the cursor."""
 
-    key: str
+    message: Message
     doc_id: str
     chunks: int
     state: str
     cursor: int | tuple[int, str] | None
     ack: AckIntent | None = None
     dead_letter: Message | None = None
-    """An in-order dead letter (state ``dead_lettered``): folded into the key's cursor."""
+    """A dead letter (state ``dead_lettered`` or ``dead_lettered_aside``): folded into the key's cursor."""
 
 
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
@@ -115,6 +115,7 @@ class DocumentStore:
         cursor_write_interval_ms: int = 1_000,
         clock_ms: Callable[[], int] = wall_clock_ms,
         background_flush: bool = True,
+        tombstones_per_commit: int = _TOMBSTONES_PER_COMMIT,
     ) -> None:
         for what, segment in [("root", root), *(("subscription name", name) for name in subscriptions)]:
             if (
@@ -137,6 +138,10 @@ class DocumentStore:
         }
         self._persister = Persister(documents, _message_path)
         self._background_flush = background_flush
+        if not 1 <= tombstones_per_commit <= _TOMBSTONES_PER_COMMIT:
+            raise ValueError(f"tombstones_per_commit: must be 1..{_TOMBSTONES_PER_COMMIT}, got {tombstones_per_commit}")
+        self._per_commit = tombstones_per_commit
+        """Tombstone writes per ack Commit (lower only in tests, to split batches over several Commits)."""
         self._flush_wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
 
@@ -165,7 +170,7 @@ class DocumentStore:
             target = layout.doc_id_of(ack.message)
             if target is None:
                 raise StoreRejected(f"commit_acks: message {ack.message.dedup_id!r} was never stored (no ref)")
-            items.append(_Finish(ack.message.key, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
+            items.append(_Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
         await self._finish(sub, items, now_ms, "commit_acks")
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
@@ -178,10 +183,8 @@ class DocumentStore:
             target = layout.doc_id_of(message)
             if target is None:
                 continue
-            in_order = state == layout.DEAD_LETTERED and position_of(message) is not None
-            items.append(
-                _Finish(message.key, target[0], target[1], state, None, dead_letter=message if in_order else None)
-            )
+            dead = state in (layout.DEAD_LETTERED, layout.DEAD_LETTERED_ASIDE) and position_of(message) is not None
+            items.append(_Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None))
         await self._finish(sub, items, now_ms, "mark_done")
 
     async def _finish(self, sub: _Subscription, items: list[_Finish], now_ms: int, what: str) -> None:
@@ -190,13 +193,13 @@ class DocumentStore:
             return
         by_key: dict[str, list[_Finish]] = {}
         for item in items:
-            by_key.setdefault(item.key, []).append(item)
+            by_key.setdefault(item.message.key, []).append(item)
         commits: list[list[_Finish]] = [[]]
         size = 0
         for group in by_key.values():
-            for part in _split_group(group):
+            for part in _split_group(group, self._per_commit):
                 part_size = sum(1 + item.chunks for item in part)
-                if commits[-1] and size + part_size > _TOMBSTONES_PER_COMMIT:
+                if commits[-1] and size + part_size > self._per_commit:
                     commits.append([])
                     size = 0
                 commits[-1].extend(part)
@@ -206,13 +209,15 @@ class DocumentStore:
                 writes: list[docs.Write] = []
                 for item in commit:
                     path = _message_path(sub.path, item.doc_id)
-                    fields = layout.tombstone_fields(item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor)
-                    fields["chunks"] = 0
-                    writes.append(docs.merge(path, fields, layout.TOMBSTONE_MASK))
+                    fields = layout.tombstone_fields(
+                        item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor
+                    )
+                    writes.append(docs.replace(path, fields))
                     writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
                 acks = [item.ack for item in commit if item.ack is not None]
-                dead = [item.dead_letter for item in commit if item.dead_letter is not None]
-                proposed = sub.book.propose(acks, dead, now_ms)
+                dead = [i.dead_letter for i in commit if i.dead_letter is not None and i.state == layout.DEAD_LETTERED]
+                aside = [i.dead_letter for i in commit if i.dead_letter is not None and i.state != layout.DEAD_LETTERED]
+                proposed = sub.book.propose(acks, dead, now_ms, aside)
                 await self._commit_cursors(sub, writes, proposed, now_ms, what)
         self._maybe_wake_flusher(sub)
 
@@ -386,15 +391,15 @@ class DocumentStore:
         await self._documents.close()
 
 
-def _split_group(group: list[_Finish]) -> list[list[_Finish]]:
-    """One key's tombstones in parts of at most ``_TOMBSTONES_PER_COMMIT`` writes (one part unless the
+def _split_group(group: list[_Finish], per_commit: int) -> list[list[_Finish]]:
+    """One key's tombstones in parts of at most ``per_commit`` writes (one part unless the
     key has a very large in-flight window of chunked messages). Only the last part carries cursors:
     an earlier part, committed first, records just the finished positions (``done_above``), which are
     true on their own, so no cursor is ever durable ahead of a tombstone."""
     parts: list[list[_Finish]] = [[]]
     size = 0
     for item in group:
-        if parts[-1] and size + 1 + item.chunks > _TOMBSTONES_PER_COMMIT:
+        if parts[-1] and size + 1 + item.chunks > per_commit:
             parts.append([])
             size = 0
         parts[-1].append(item)
@@ -403,7 +408,7 @@ def _split_group(group: list[_Finish]) -> list[list[_Finish]]:
         for i, item in enumerate(part):
             if item.ack is not None:
                 ack = AckIntent(item.ack.delivery_id, item.ack.message, None)
-                part[i] = _Finish(item.key, item.doc_id, item.chunks, item.state, None, ack=ack)
+                part[i] = _Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack)
     return parts
 
 

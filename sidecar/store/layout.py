@@ -215,25 +215,34 @@ def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp((now_ms + ttl_ms) / 1000, tz=datetime.UTC)
 
 
-def tombstone_fields(state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None) -> dict[str, Any]:
-    """What a finished message keeps: identity fields stay; data and attributes go.
+def tombstone_fields(
+    message: Message, state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None
+) -> dict[str, Any]:
+    """A finished message's whole document: identity stays (a late copy is still a duplicate),
+    data and attributes go, ``expire_at`` lets a TTL policy delete it after the dedup TTL.
 
-    Written with a field mask that also names ``data``, ``attrs`` and ``chunks``, so those are
-    deleted. ``cursor_*`` is the key's cursor once this ack is durable (``AckIntent.cursor``):
-    recovery takes the maximum over recent tombstones, so a cursor document that lagged behind
-    (coalesced writes) loses nothing.
+    Written as a replace, never a merge: complete on its own, so a tombstone written where the
+    document is already gone (its earlier tombstone expired) is still one recovery can read.
+    ``cursor_*`` is the key's cursor once this ack is durable (``AckIntent.cursor``): recovery folds
+    recent tombstones in, so a cursor document that lagged behind (coalesced writes) loses nothing.
     """
     fields: dict[str, Any] = {
+        "key": message.key,
+        "dedup_id": message.dedup_id,
+        "message_id": message.message_id,
+        "fp": message.fingerprint,
         "state": state,
         "done_ms": now_ms,
         "expire_at": expire_at(now_ms, ttl_ms),
+        "chunks": 0,
+        "v": LAYOUT_VERSION,
     }
+    if message.sequence is not None:
+        fields["seq"] = message.sequence
+    if message.timestamp_ms is not None:
+        fields["ts"] = message.timestamp_ms
     if isinstance(cursor, int):
         fields["cursor_seq"] = cursor
     elif isinstance(cursor, tuple):
         fields["cursor_ts"], fields["cursor_id"] = cursor
     return fields
-
-
-TOMBSTONE_MASK = ("state", "done_ms", "expire_at", "cursor_seq", "cursor_ts", "cursor_id", "data", "attrs", "chunks")
-"""Field mask of a tombstone write: names absent from the fields are deleted."""

@@ -18,9 +18,10 @@ Rules, and why each keeps the guarantees of DESIGN §1:
    ``max_in_flight_per_key`` > 1, dead letters under ``skip``) are restored as finished
    placeholders, so the cursor passes them as soon as the message below them is acked: no key waits
    for a position that is already finished (liveness).
-3. **Dead letters count only in the key's order.** Late and conflicting messages are dead-lettered
-   aside and never block or move a cursor; an in-order dead letter blocks the key under ``block``
-   (as the engine did before the crash) and is passed like an ack under ``skip``.
+3. **Only dead letters in the key's order block.** An in-order dead letter blocks the key under
+   ``block`` (as the engine did before the crash) and is passed like an ack under ``skip``. A late
+   message is dead-lettered aside: it never blocks; in sequence mode its position counts as
+   finished (it will never be delivered), so the key does not wait for it again.
 4. **Pending messages are handed back as they are**; the engine's restore replays them through its
    own rules (duplicates of held messages, late messages below the cursor).
 5. **Bounded work.** One pass over what was read: recovery ends in time linear in the documents
@@ -38,7 +39,14 @@ from typing import Any
 from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.layout import ACKED, DEAD_LETTERED, DONE_STATES, CorruptDocument, check_version
+from sidecar.store.layout import (
+    ACKED,
+    DEAD_LETTERED,
+    DEAD_LETTERED_ASIDE,
+    DONE_STATES,
+    CorruptDocument,
+    check_version,
+)
 
 CHECKPOINT_MARGIN_MS = 5_000
 """Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
@@ -113,8 +121,9 @@ def recover(
             state = states[key] = rules.new_state(key)
         if state_name == ACKED:
             fold_ack(state, mode, position, cursor)
-        elif state_name == DEAD_LETTERED and position is not None:
-            fold_dead_letter(state, mode, position, rules.on_dead_letter)
+        elif state_name in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position is not None:
+            in_order = state_name == DEAD_LETTERED
+            fold_dead_letter(state, mode, position, rules.on_dead_letter, in_order=in_order)
     for state in states.values():
         state.written_ms = None
         state.dirty_since_ms = 0 if cursor_fields(state) != stored.get(state.key) else None

@@ -1,0 +1,626 @@
+"""Crash-point simulation: the engine and the store's real write planning over Firestore semantics in memory.
+
+One ``Simulation`` plays everything around the store, step by step, deterministically:
+
+- **Pub/Sub**: published copies stay outstanding until acked; any outstanding copy may be (re)delivered
+  at any time, in any order, any number of times (at-least-once, no order).
+- **The sidecar**: ``DocumentStore`` over ``MemoryDocuments`` plus ``Engine``, glued by the same rules
+  as ``sidecar.ingest`` and ``sidecar.runtime``: ack Pub/Sub only after persist said durable (the ack
+  itself is a separate step, so a crash can fall between them); an app ack counts once
+  ``commit_acks`` returned; a dead letter is published, then ``mark_done``, then ``dead_letter_done``.
+- **The app**: takes deliveries, acks (in any order, with ``max_in_flight_per_key`` > 1), nacks,
+  asks for dead letters, closes its stream.
+- **Faults**: a crash before or after the n-th next document write (a Commit or BatchWrite: between
+  the Commits of one ack batch, between a persist and its Pub/Sub ack, anywhere), an answer lost
+  after a write applied, TTL expiry of tombstones, time passing (ack deadlines, backoffs, gap timeouts).
+
+A crash throws away the engine, the store object and every queued action, keeps the documents, and
+recovers with ``load`` + ``Engine.restore``, exactly as a restarted process does.
+
+Checked on every delivery (``_check_delivery``) and at the end (``check_end`` after ``drain``):
+G1 every valid message is confirmed or dead-lettered with a reason (or held durably behind a key
+blocked by its own in-order dead letter); G2 per key nothing is delivered before every earlier
+message was acked, dead-lettered or skipped by policy (or is in flight within the key's window);
+G3 nothing is delivered after its ack was confirmed; liveness: no key waits for a position that is
+already finished, and no key is blocked except by an in-order dead letter under ``block``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sidecar.engine import DeadLetter, Deliver, DropDuplicate, Engine, EngineConfig, Hold, UnknownDelivery
+from sidecar.engine.types import AckIntent, Message
+from sidecar.store import documents as docs
+from sidecar.store.api import (
+    DEAD_LETTERED,
+    DEAD_LETTERED_ASIDE,
+    DROPPED,
+    IncomingMessage,
+    PersistOutcome,
+    StoreError,
+    SubscriptionStoreConfig,
+)
+from sidecar.store.document_store import DocumentStore
+from sidecar.store.memory_documents import MemoryDocuments
+
+_T = TypeVar("_T")
+SUB = "s"
+Identity = tuple[str, int]
+
+
+class Crash(BaseException):
+    """The process died here (a BaseException: no store code may catch it)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published copy: the message plus which variant of its content (conflicts differ)."""
+
+    key: str
+    seq: int
+    variant: int = 0
+    malformed: bool = False
+
+    @property
+    def identity(self) -> Identity:
+        return (self.key, self.seq)
+
+    def incoming(self) -> IncomingMessage:
+        data = f"{self.key}/{self.seq}/{self.variant}".encode()
+        return IncomingMessage(
+            key=self.key,
+            dedup_id=f"{self.key}#{self.seq}#{self.variant}",
+            message_id=f"m-{self.key}-{self.seq}-{self.variant}",
+            data=data,
+            attributes={"v": str(self.variant)},
+            ordering_key="",
+            publish_time_ms=1_000,
+            fingerprint=hashlib.sha256(data).digest(),
+            sequence=self.seq,
+        )
+
+
+@dataclass
+class SimConfig:
+    keys: int = 2
+    per_key: int = 4
+    max_in_flight: int = 1
+    max_attempts: int = 3
+    on_dead_letter: str = "block"
+    gap_timeout_ms: int | None = None
+    on_gap_timeout: str = "hold"
+    on_late: str = "dead_letter"
+    unpublished: frozenset[Identity] = frozenset()
+    """Sequences never published (gaps that never fill: need ``on_gap_timeout: skip``)."""
+    conflicts: frozenset[Identity] = frozenset()
+    """Identities also published with other content (a conflict)."""
+    malformed: int = 0
+    dedup_ttl_ms: int = 60_000
+    ack_deadline_ms: int = 5_000
+    tombstones_per_commit: int = 2
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            mode="sequence",
+            gap_timeout_ms=self.gap_timeout_ms,
+            on_gap_timeout=self.on_gap_timeout,  # type: ignore[arg-type]
+            on_late=self.on_late,  # type: ignore[arg-type]
+            dedup_ttl_ms=self.dedup_ttl_ms,
+            max_in_flight_per_key=self.max_in_flight,
+            ack_deadline_ms=self.ack_deadline_ms,
+            max_delivery_attempts=self.max_attempts,
+            backoff_initial_ms=100,
+            backoff_maximum_ms=1_000,
+            on_dead_letter=self.on_dead_letter,  # type: ignore[arg-type]
+        )
+
+    def store_config(self) -> SubscriptionStoreConfig:
+        return SubscriptionStoreConfig(
+            mode="sequence", dedup_ttl_ms=self.dedup_ttl_ms, on_dead_letter=self.on_dead_letter  # type: ignore[arg-type]
+        )
+
+
+@dataclass
+class _Life:
+    """What one process holds in memory: gone at a crash."""
+
+    store: DocumentStore
+    engine: Engine
+    to_ack: list[int] = field(default_factory=list)
+    """Pub/Sub copies persisted, not yet acked (the ack is its own step)."""
+    outstanding: dict[str, Deliver] = field(default_factory=dict)
+    """Deliveries the app holds, by delivery id."""
+    acks: list[AckIntent] = field(default_factory=list)
+    """Acks the engine accepted, not yet committed."""
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    drops: list[Message] = field(default_factory=list)
+    accepted: set[Identity] = field(default_factory=set)
+    """Identities whose app ack the engine accepted in this life."""
+
+
+@dataclass
+class Simulation:
+    config: SimConfig
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+    now_ms: int = 1_000_000
+    documents: MemoryDocuments = field(default_factory=MemoryDocuments)
+    pubsub: dict[int, Published] = field(default_factory=dict)
+    """Outstanding Pub/Sub copies by copy number."""
+    published: list[Published] = field(default_factory=list)
+    confirmed: set[Identity] = field(default_factory=set)
+    resolved_contents: set[tuple[str, int, bytes]] = field(default_factory=set)
+    """(key, seq, fingerprint) of every copy confirmed or dead-lettered through the engine."""
+    dead_letter_topic: list[tuple[Published | Message, str]] = field(default_factory=list)
+    dead_lettered: set[Identity] = field(default_factory=set)
+    in_order_dead_letters: set[Identity] = field(default_factory=set)
+    skipped: set[Identity] = field(default_factory=set)
+    expired_tombstones: set[Identity] = field(default_factory=set)
+    """Finished messages whose tombstone the TTL policy deleted."""
+    expired_in_order_dead_letters: set[Identity] = field(default_factory=set)
+    expired_contents: set[tuple[str, int, bytes]] = field(default_factory=set)
+    crashes: int = 0
+    crash_points: int = 0
+    """Crashes that struck inside a store write (between two document writes)."""
+    _copy_counter: int = 0
+    _writes_until_crash: int | None = None
+    _crash_after_apply: bool = False
+    _lose_next_answer: bool = False
+    life: _Life = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.documents.before_write = self._before_write
+        self.documents.after_write = self._after_write
+        for key_index in range(self.config.keys):
+            key = f"k{key_index}"
+            for seq in range(1, self.config.per_key + 1):
+                if (key, seq) in self.config.unpublished:
+                    continue
+                self.publish(Published(key, seq))
+                if (key, seq) in self.config.conflicts:
+                    self.publish(Published(key, seq, variant=1))
+        for i in range(self.config.malformed):
+            self.publish(Published("", -i - 1, malformed=True))
+        self.life = self._start()
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return self.loop.run_until_complete(coroutine)
+
+    def _start(self) -> _Life:
+        store = DocumentStore(
+            self.documents,
+            {SUB: self.config.store_config()},
+            clock_ms=lambda: self.now_ms,
+            background_flush=False,
+            tombstones_per_commit=self.config.tombstones_per_commit,
+        )
+        snapshot = self._run(store.load(SUB, self.now_ms))
+        engine = Engine.restore(self.config.engine_config(), snapshot, self.now_ms, id_prefix=f"life{self.crashes}-")
+        return _Life(store, engine)
+
+    def _before_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
+        if self._writes_until_crash is None:
+            return
+        if self._writes_until_crash > 0:
+            self._writes_until_crash -= 1
+            return
+        if not self._crash_after_apply:
+            self._writes_until_crash = None
+            self.crash_points += 1
+            raise Crash(f"before {kind}")
+
+    def _after_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
+        if self._writes_until_crash == 0 and self._crash_after_apply:
+            self._writes_until_crash = None
+            self.crash_points += 1
+            raise Crash(f"after {kind}")
+        if self._lose_next_answer:
+            self._lose_next_answer = False
+            raise docs.Unavailable(f"{kind}: the answer was lost (the write applied)")
+
+    def publish(self, message: Published) -> None:
+        self.published.append(message)
+        self._copy_counter += 1
+        self.pubsub[self._copy_counter] = message
+
+    def crash(self) -> None:
+        """kill -9: memory is gone, the documents stay; recover as a restarted process does."""
+        self.crashes += 1
+        self._writes_until_crash = None
+        self._lose_next_answer = False
+        self.life = self._start()
+
+    def step(self, op: str, arg: int) -> None:
+        """Run one operation; a crash inside it recovers at once."""
+        try:
+            getattr(self, f"op_{op}")(arg)
+        except Crash:
+            self.crash()
+
+    # ---- operations ---------------------------------------------------------------------------------
+
+    def op_arm_crash(self, arg: int) -> None:
+        """Crash before (even ``arg``) or after (odd) the (arg // 2 % 4)-th next document write."""
+        self._writes_until_crash = arg // 2 % 4
+        self._crash_after_apply = bool(arg % 2)
+
+    def op_lose_answer(self, arg: int) -> None:
+        self._lose_next_answer = True
+
+    def op_crash(self, arg: int) -> None:
+        raise Crash("kill -9")
+
+    def op_ingest(self, arg: int) -> None:
+        """Pub/Sub delivers up to 3 outstanding copies (one persist call), any of them."""
+        if not self.pubsub:
+            return
+        copies = sorted(self.pubsub)
+        chosen = [copies[(arg + i * 7) % len(copies)] for i in range(1 + arg % 3)]
+        chosen = list(dict.fromkeys(chosen))
+        valid = []
+        for number in chosen:
+            message = self.pubsub[number]
+            if message.malformed:
+                # Ingest's classify: dead-lettered with a reason, then acked.
+                self.dead_letter_topic.append((message, "malformed"))
+                del self.pubsub[number]
+            else:
+                valid.append(number)
+        if not valid:
+            return
+        life = self.life
+        try:
+            results = self._run(life.store.persist(SUB, [self.pubsub[n].incoming() for n in valid], self.now_ms))
+        except StoreError:
+            return  # nothing acked: Pub/Sub redelivers
+        for number, result in zip(valid, results, strict=True):
+            if result.outcome is PersistOutcome.STORED:
+                self._on_stored(result.message)
+                life.to_ack.append(number)
+            elif result.outcome is PersistOutcome.DUPLICATE:
+                if result.pending is not None:
+                    self._on_stored(result.pending)
+                life.to_ack.append(number)
+            elif result.outcome is PersistOutcome.CONFLICT:
+                if result.pending is not None:
+                    self._on_stored(result.pending)
+                self.dead_letter_topic.append((self.pubsub[number], "conflict"))
+                life.to_ack.append(number)
+            # FAILED: not acked, Pub/Sub redelivers.
+
+    def op_pubsub_ack(self, arg: int) -> None:
+        for number in self.life.to_ack:
+            self.pubsub.pop(number, None)
+        self.life.to_ack.clear()
+
+    def op_redeliver(self, arg: int) -> None:
+        """A publisher retry or a Pub/Sub redelivery of an already-acked copy."""
+        if self.published:
+            message = self.published[arg % len(self.published)]
+            self._copy_counter += 1
+            self.pubsub[self._copy_counter] = message
+
+    def op_take(self, arg: int) -> None:
+        for delivery in self.life.engine.take(f"c{arg % 2}", 1 + arg % 3, self.now_ms):
+            self._check_delivery(delivery)
+            self.life.outstanding[delivery.delivery_id] = delivery
+
+    def _pick(self, arg: int) -> Deliver | None:
+        outstanding = self.life.outstanding
+        if not outstanding:
+            return None
+        ids = sorted(outstanding)
+        return outstanding[ids[arg % len(ids)]]
+
+    def op_app_ack(self, arg: int) -> None:
+        delivery = self._pick(arg)
+        if delivery is None:
+            return
+        del self.life.outstanding[delivery.delivery_id]
+        try:
+            intent = self.life.engine.ack(delivery.consumer, delivery.delivery_id, self.now_ms)
+        except UnknownDelivery:
+            return  # expired or the stream closed meanwhile
+        self.life.acks.append(intent)
+        self.life.accepted.add(_identity(delivery.message))
+
+    def op_app_nack(self, arg: int) -> None:
+        delivery = self._pick(arg)
+        if delivery is None:
+            return
+        del self.life.outstanding[delivery.delivery_id]
+        try:
+            actions = self.life.engine.nack(
+                delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=arg % 5 == 0
+            )
+        except UnknownDelivery:
+            return
+        self._apply(actions)
+
+    def op_close_stream(self, arg: int) -> None:
+        consumer = f"c{arg % 2}"
+        self.life.engine.consumer_closed(consumer, self.now_ms)
+        for delivery_id in [d for d, x in self.life.outstanding.items() if x.consumer == consumer]:
+            del self.life.outstanding[delivery_id]
+
+    def op_commit_acks(self, arg: int) -> None:
+        life = self.life
+        if not life.acks:
+            return
+        batch, life.acks = life.acks, []
+        try:
+            self._run(life.store.commit_acks(SUB, batch, self.now_ms))
+        except StoreError:
+            life.acks = batch + life.acks  # the runtime retries
+            return
+        life.engine.ack_durable([intent.delivery_id for intent in batch], self.now_ms)
+        # Confirmed to the app: never to be delivered again (G3).
+        self.confirmed.update(_identity(intent.message) for intent in batch)
+        self.resolved_contents.update(_content(intent.message) for intent in batch)
+
+    def op_dead_letter(self, arg: int) -> None:
+        life = self.life
+        if not life.dead_letters:
+            return
+        action = life.dead_letters[arg % len(life.dead_letters)]
+        message = action.message
+        self.dead_letter_topic.append((message, action.reason))  # published: the topic has it (G1)
+        self.resolved_contents.add(_content(message))
+        if action.reason != "conflict":
+            self.dead_lettered.add(_identity(message))
+        state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
+        try:
+            self._run(life.store.mark_done(SUB, [message], state, self.now_ms))
+        except StoreError:
+            return  # retried later; the topic may get it twice (allowed)
+        life.dead_letters.remove(action)
+        if action.in_order:
+            self.in_order_dead_letters.add(_identity(message))
+        self._apply(life.engine.dead_letter_done(message, self.now_ms))
+
+    def op_drops(self, arg: int) -> None:
+        life = self.life
+        if not life.drops:
+            return
+        batch, life.drops = life.drops, []
+        try:
+            self._run(life.store.mark_done(SUB, batch, DROPPED, self.now_ms))
+        except StoreError:
+            life.drops = batch + life.drops
+
+    def op_flush(self, arg: int) -> None:
+        try:
+            self._run(self.life.store.flush(SUB))
+        except StoreError:
+            pass
+
+    def op_tick(self, arg: int) -> None:
+        self.now_ms += [10, 200, 1_100, 6_000][arg % 4]
+        self._apply(self.life.engine.tick(self.now_ms))
+
+    def op_expire(self, arg: int) -> None:
+        """Time passes beyond the dedup TTL and the TTL policy deletes expired tombstones. So much
+        time also means the store's background flush has written the dirty cursors meanwhile."""
+        self.now_ms += 1_100
+        self.op_flush(arg)
+        self.now_ms += self.config.dedup_ttl_ms + 1
+        self.expired_tombstones |= self.finished_documents()
+        self.expired_contents |= self.finished_contents()
+        self.expired_in_order_dead_letters |= self._documents_in((DEAD_LETTERED,))
+        self.documents.expire(self.now_ms)
+        self._apply(self.life.engine.tick(self.now_ms))
+
+    OPS = (
+        "ingest",
+        "ingest",
+        "pubsub_ack",
+        "take",
+        "take",
+        "app_ack",
+        "app_ack",
+        "app_nack",
+        "commit_acks",
+        "commit_acks",
+        "dead_letter",
+        "drops",
+        "flush",
+        "tick",
+        "tick",
+        "close_stream",
+        "redeliver",
+        "expire",
+        "crash",
+        "arm_crash",
+        "arm_crash",
+        "lose_answer",
+    )
+
+    # ---- scripted steps, for the explicit examples ----------------------------------------------------
+
+    def ingest_all(self) -> None:
+        """Pub/Sub hands over every outstanding copy (oldest first); the sidecar acks what is safe."""
+        while self.pubsub:
+            before = dict(self.pubsub)
+            self.step("ingest", 0)
+            self.step("pubsub_ack", 0)
+            if self.pubsub == before:
+                return  # nothing could be persisted now
+
+    def take(self, consumer: str = "c0", count: int = 10) -> list[Deliver]:
+        deliveries = self.life.engine.take(consumer, count, self.now_ms)
+        for delivery in deliveries:
+            self._check_delivery(delivery)
+            self.life.outstanding[delivery.delivery_id] = delivery
+        return deliveries
+
+    def delivery_of(self, key: str, seq: int) -> Deliver:
+        (delivery,) = [d for d in self.life.outstanding.values() if _identity(d.message) == (key, seq)]
+        return delivery
+
+    def ack(self, key: str, seq: int) -> None:
+        ids = sorted(self.life.outstanding)
+        self.step("app_ack", ids.index(self.delivery_of(key, seq).delivery_id))
+
+    def nack(self, key: str, seq: int, *, dead_letter: bool = False) -> None:
+        delivery = self.delivery_of(key, seq)
+        del self.life.outstanding[delivery.delivery_id]
+        actions = self.life.engine.nack(delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=dead_letter)
+        self._apply(actions)
+
+    def dead_letter_all(self) -> None:
+        while self.life.dead_letters:
+            before = len(self.life.dead_letters)
+            self.step("dead_letter", 0)
+            if len(self.life.dead_letters) == before:
+                return
+
+    def settle(self) -> None:
+        """Commit acks, dead letters and drops, and flush cursors."""
+        for op in ("commit_acks", "drops", "flush"):
+            self.step(op, 0)
+        self.dead_letter_all()
+
+    # ---- engine glue ------------------------------------------------------------------------------
+
+    def _on_stored(self, message: Message) -> None:
+        self._apply(self.life.engine.on_stored(message, self.now_ms))
+
+    def _apply(self, actions: Sequence[Any]) -> None:
+        for action in actions:
+            if isinstance(action, DeadLetter):
+                self.life.dead_letters.append(action)
+            elif isinstance(action, DropDuplicate):
+                if action.finish_record:
+                    self.life.drops.append(action.message)
+            else:
+                assert isinstance(action, Hold), action
+
+    # ---- the guarantees ----------------------------------------------------------------------------
+
+    def _check_delivery(self, delivery: Deliver) -> None:
+        message = delivery.message
+        ident = _identity(message)
+        assert ident not in self.confirmed, f"G3: {ident} delivered again after its ack was confirmed"
+        for skipped in delivery.skipped:
+            self.skipped.update((message.key, seq) for seq in range(skipped.first, skipped.last + 1))
+        if delivery.late:
+            return  # flagged: the app is told it is out of order
+        in_flight = {
+            _identity(d.message)
+            for d in self.life.outstanding.values()
+            if d.message.key == message.key and self.life.engine.is_in_flight(d.delivery_id)
+        }
+        acking = {_identity(a.message) for a in self.life.acks if a.message.key == message.key}
+        assert len(in_flight) + len(acking) < self.config.max_in_flight, (
+            f"G2: {ident} delivered with {sorted(in_flight | acking)} still in flight (window "
+            f"{self.config.max_in_flight})"
+        )
+        assert message.sequence is not None
+        finished = self.finished_documents() | self.expired_tombstones
+        for seq in range(1, message.sequence):
+            before = (message.key, seq)
+            resolved = (
+                before in finished  # acked durably (confirmed or not), or dead-lettered
+                or before in self.confirmed
+                or before in self.life.accepted
+                or before in in_flight
+                or before in self.dead_lettered
+                or before in self.skipped
+            )
+            assert resolved, f"G2: {ident} delivered before {before} was acked, dead-lettered or skipped"
+
+    def drain(self, rounds: int = 60) -> None:
+        """No more faults: let everything settle (the app acks all it gets, time passes)."""
+        self._writes_until_crash = None
+        self._lose_next_answer = False
+        for _ in range(rounds):
+            for op in ("ingest", "ingest", "ingest", "pubsub_ack", "take", "take", "app_ack", "app_ack",
+                       "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush"):
+                self.step(op, len(self.pubsub) + len(self.life.outstanding))
+            self.step("tick", 2)
+            self.step("tick", 3)
+
+    def check_end(self) -> None:
+        """G1 and liveness after ``drain``."""
+        blocked = self.blocked_keys()
+        pending = self.pending_documents()
+        # Acked by the app durably (an ack made durable just before a crash may never be confirmed;
+        # G3 allows that, and it is never delivered again) or dead-lettered durably.
+        finished = self.finished_contents() | self.expired_contents
+        for message in self.published:
+            if message.malformed:
+                assert any(m is message or m == message for m, _ in self.dead_letter_topic), "G1: malformed lost"
+                continue
+            ident = message.identity
+            incoming = message.incoming()
+            if (message.key, message.seq, incoming.fingerprint) in self.resolved_contents:
+                continue
+            if (message.key, message.seq, incoming.fingerprint) in finished:
+                continue
+            if any(isinstance(m, Published) and m == message for m, reason in self.dead_letter_topic):
+                continue  # a conflicting copy, dead-lettered at ingest
+            if ident in self.dead_lettered and ident in self.confirmed:
+                continue  # a copy of a finished message whose tombstone expired, dead-lettered below the cursor
+            assert message.key in blocked and ident in pending, (
+                f"G1: {ident} neither confirmed nor dead-lettered (key blocked: {message.key in blocked}, "
+                f"pending: {ident in pending})"
+            )
+        _, keys = self.life.engine.status(self.now_ms, max_keys=1_000)
+        for key_status in keys:
+            if key_status.state == "blocked_dead_letter":
+                assert key_status.key in blocked, f"liveness: {key_status.key} blocked without a dead letter"
+            assert key_status.state != "waiting_sequence" or (
+                (key_status.key, key_status.missing_sequence) in self.config.unpublished
+                and self.config.on_gap_timeout == "hold"
+            ), f"liveness: {key_status.key} waits for {key_status.waiting_for}, already finished or skipped"
+        assert not blocked or self.config.on_dead_letter == "block"
+
+    def blocked_keys(self) -> set[str]:
+        """Keys stopped by an in-order dead letter of their own under ``block`` (made durable, even
+        if a crash came before the process learned that it was)."""
+        if self.config.on_dead_letter != "block":
+            return set()
+        durable = self._documents_in((DEAD_LETTERED,)) | self.expired_in_order_dead_letters
+        return {key for key, _ in self.in_order_dead_letters | durable}
+
+    def pending_documents(self) -> set[Identity]:
+        return self._documents_in(("pending",))
+
+    def finished_documents(self) -> set[Identity]:
+        return {(key, seq) for key, seq, _ in self.finished_contents()}
+
+    def finished_contents(self) -> set[tuple[str, int, bytes]]:
+        """(key, seq, fingerprint) of every message acked or dead-lettered durably."""
+        return {
+            (fields["key"], fields["seq"], fields["fp"])
+            for fields in self._message_documents(("acked", DEAD_LETTERED, DEAD_LETTERED_ASIDE))
+        }
+
+    def _documents_in(self, states: tuple[str, ...]) -> set[Identity]:
+        return {(fields["key"], fields["seq"]) for fields in self._message_documents(states)}
+
+    def _message_documents(self, states: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [
+            fields
+            for path, fields in self.documents.docs.items()
+            if "/messages/" in path and "/chunks/" not in path and fields.get("state") in states
+        ]
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _content(message: Message) -> tuple[str, int, bytes]:
+    assert message.sequence is not None
+    return (message.key, message.sequence, message.fingerprint)
+
+
+def _identity(message: Message) -> Identity:
+    assert message.sequence is not None
+    return (message.key, message.sequence)

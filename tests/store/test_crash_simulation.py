@@ -1,0 +1,226 @@
+"""Crash at any point between two store writes, recover, go on: G1-G3 and liveness hold (crash_sim.py).
+
+The property test is deterministic (derandomized) and sized for ``make test``; set
+``CRASH_SIM_EXAMPLES`` (e.g. 5000) to explore longer. Each defect the recovery rules fix is kept
+below as an explicit example, named for the rule it pins down.
+"""
+
+from __future__ import annotations
+
+import os
+
+from crash_sim import Crash, Published, SimConfig, Simulation
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_EXAMPLES = int(os.environ.get("CRASH_SIM_EXAMPLES", "150"))
+
+
+@st.composite
+def sim_configs(draw: st.DrawFn) -> SimConfig:
+    keys = draw(st.integers(1, 3))
+    per_key = draw(st.integers(1, 6))
+    identities = [(f"k{k}", seq) for k in range(keys) for seq in range(1, per_key + 1)]
+    skip = draw(st.booleans())
+    unpublished = frozenset(draw(st.sets(st.sampled_from(identities), max_size=2))) if skip else frozenset()
+    conflicts = frozenset(draw(st.sets(st.sampled_from(identities), max_size=2))) - unpublished
+    return SimConfig(
+        keys=keys,
+        per_key=per_key,
+        max_in_flight=draw(st.integers(1, 3)),
+        max_attempts=draw(st.integers(1, 3)),
+        on_dead_letter=draw(st.sampled_from(["block", "skip"])),
+        gap_timeout_ms=1_000 if skip else None,
+        on_gap_timeout="skip" if skip else "hold",
+        on_late=draw(st.sampled_from(["dead_letter", "deliver"])),
+        unpublished=unpublished,
+        conflicts=conflicts,
+        malformed=draw(st.integers(0, 1)),
+        tombstones_per_commit=draw(st.integers(1, 3)),
+    )
+
+
+_STEPS = st.lists(st.tuples(st.sampled_from(Simulation.OPS), st.integers(0, 1_000)), max_size=120)
+
+
+@settings(
+    max_examples=_EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(config=sim_configs(), steps=_STEPS)
+def test_any_crash_point_keeps_every_guarantee(config: SimConfig, steps: list[tuple[str, int]]) -> None:
+    sim = Simulation(config)
+    try:
+        for op, arg in steps:
+            sim.step(op, arg)
+        sim.drain()
+        sim.check_end()
+    finally:
+        sim.close()
+
+
+# ---- the recovery defects, each as an explicit run ---------------------------------------------------
+
+
+def _finish(sim: Simulation) -> None:
+    try:
+        sim.drain()
+        sim.check_end()
+    finally:
+        sim.close()
+
+
+def test_a_an_idle_key_outlives_the_dedup_ttl() -> None:
+    """A key's cursor never expires: after a TTL sweep and a restart, its next message is delivered."""
+    sim = Simulation(SimConfig(keys=1, per_key=2))
+    sim.ingest_all()
+    for seq in (1, 2):
+        sim.take()
+        sim.ack("k0", seq)
+        sim.settle()
+    sim.step("expire", 0)  # far past the dedup TTL: every tombstone is deleted
+    assert not sim.finished_documents()
+    sim.step("crash", 0)
+    sim.publish(Published("k0", 3))
+    sim.ingest_all()
+    (delivery,) = sim.take()
+    assert delivery.message.sequence == 3, "the key restarted at its start: its cursor expired"
+    _finish(sim)
+
+
+def test_b_acks_above_the_cursor_survive_a_restart() -> None:
+    """Out-of-order acks with a window: 2 acked before 1, crash; once 1 is acked, 3 follows at once."""
+    sim = Simulation(SimConfig(keys=1, per_key=3, max_in_flight=2))
+    sim.ingest_all()
+    sim.take()
+    sim.ack("k0", 2)
+    sim.settle()
+    sim.step("crash", 0)
+    # The window of 2 holds 1 (back for redelivery) and 3: 2 is already acked, nothing waits for it.
+    assert [d.message.sequence for d in sim.take()] == [1, 3], "3 waits for 2, which is already acked"
+    sim.ack("k0", 1)
+    sim.ack("k0", 3)
+    sim.settle()
+    assert {("k0", 1), ("k0", 3)} <= sim.confirmed
+    _finish(sim)
+
+
+def test_c_a_late_dead_letter_never_blocks_its_key_after_a_restart() -> None:
+    """A late message dead-lettered while its key's next message is in flight, then a crash: not blocked."""
+    sim = Simulation(
+        SimConfig(
+            keys=1, per_key=3, gap_timeout_ms=1_000, on_gap_timeout="skip", unpublished=frozenset({("k0", 1)})
+        )
+    )
+    sim.ingest_all()
+    sim.step("tick", 2)  # the gap at 1 times out: 2 goes out with 1 skipped
+    (second,) = sim.take()
+    assert second.message.sequence == 2 and second.skipped
+    sim.publish(Published("k0", 1))  # 1 shows up late: dead-lettered aside
+    sim.ingest_all()
+    sim.dead_letter_all()
+    assert [reason for _, reason in sim.dead_letter_topic] == ["late"]
+    sim.step("crash", 0)
+    (again,) = sim.take()
+    assert again.message.sequence == 2, "the key came back blocked by the late dead letter"
+    _finish(sim)
+
+
+def test_d_a_create_that_applied_unseen_reaches_the_engine_without_a_restart() -> None:
+    """BatchWrite applied, its answer lost: the redelivered copy finds it pending and hands it over."""
+    sim = Simulation(SimConfig(keys=1, per_key=2))
+    sim.step("lose_answer", 0)
+    sim.step("ingest", 0)  # persists k0/1 (the oldest copy) but hears a failure: not acked
+    assert ("k0", 1) in sim.pending_documents() and sim.life.engine.status(sim.now_ms)[0].buffered == 0
+    sim.ingest_all()  # the redelivery: ALREADY_EXISTS, pending -> the engine
+    assert [d.message.sequence for d in sim.take()] == [1]
+    assert sim.crashes == 0
+    _finish(sim)
+
+
+def test_e_a_message_from_a_forgotten_skipped_range_is_dead_lettered_not_dropped() -> None:
+    """Past the skipped ranges a key remembers, an arrival from the oldest one is never lost silently."""
+    gaps = frozenset(("k0", seq) for seq in range(1, 140, 2))  # 70 gaps, each skipped in turn
+    sim = Simulation(SimConfig(keys=1, per_key=140, gap_timeout_ms=1_000, on_gap_timeout="skip", unpublished=gaps))
+    for _ in range(70):
+        sim.ingest_all()
+        sim.step("tick", 2)
+        for delivery in sim.take():
+            sim.ack(delivery.message.key, delivery.message.sequence)  # type: ignore[arg-type]
+        sim.settle()
+    sim.publish(Published("k0", 1))
+    sim.ingest_all()
+    sim.dead_letter_all()
+    assert (Published("k0", 1).incoming().message_id, "below_cursor") in {
+        (m.message_id, reason) for m, reason in sim.dead_letter_topic if not isinstance(m, Published)
+    }
+    _finish(sim)
+
+
+def test_g_a_cursor_is_never_durable_ahead_of_a_tombstone() -> None:
+    """Acks of one key split over two Commits, crash between them: the later message comes back in order."""
+    sim = Simulation(SimConfig(keys=1, per_key=3, max_in_flight=2, tombstones_per_commit=1))
+    sim.ingest_all()
+    sim.take()
+    store, engine = sim.life.store, sim.life.engine
+    first, second = sim.delivery_of("k0", 1), sim.delivery_of("k0", 2)
+    intent_2 = engine.ack(second.consumer, second.delivery_id, sim.now_ms)
+    intent_1 = engine.ack(first.consumer, first.delivery_id, sim.now_ms)
+    assert intent_1.cursor == 3
+    # The store must not depend on the order it is handed: 1 (cursor 3) first, 2's tombstone after.
+    sim.step("arm_crash", 1)  # crash right after the first Commit applied
+    try:
+        sim._run(store.commit_acks("s", [intent_1, intent_2], sim.now_ms))
+    except Crash:
+        sim.crash()
+    assert sim.crashes == 1
+    deliveries = sim.take()
+    assert [d.message.sequence for d in deliveries] == [2, 3], "2 was passed by a cursor and became late"
+    _finish(sim)
+
+
+def test_h_a_copy_of_a_confirmed_message_past_the_dedup_ttl_is_never_delivered() -> None:
+    """G3 beyond the TTL: dropped as a duplicate while the engine remembers, dead-lettered after a restart."""
+    sim = Simulation(SimConfig(keys=1, per_key=1, on_late="deliver"))
+    sim.ingest_all()
+    sim.take()
+    sim.ack("k0", 1)
+    sim.settle()
+    sim.step("expire", 0)
+    sim.step("redeliver", 0)
+    sim.ingest_all()
+    assert sim.take() == [] and sim.life.engine.status(sim.now_ms)[0].counts["duplicates"] == 1
+    sim.settle()
+    sim.step("expire", 0)
+    sim.step("crash", 0)
+    sim.step("redeliver", 0)
+    sim.ingest_all()
+    assert sim.take() == []
+    sim.dead_letter_all()
+    assert [reason for _, reason in sim.dead_letter_topic] == ["below_cursor"]
+    _finish(sim)
+
+
+def test_j_recovery_ends_after_dead_letters_in_a_row() -> None:
+    """skip, 2 attempts: #1 dead-lettered by the app, #2 after its attempts, #3 in flight, kill -9."""
+    sim = Simulation(SimConfig(keys=1, per_key=3, on_dead_letter="skip", max_attempts=2))
+    sim.ingest_all()
+    sim.take()
+    sim.nack("k0", 1, dead_letter=True)
+    sim.dead_letter_all()
+    for _ in range(2):
+        sim.step("tick", 1)
+        sim.take()
+        sim.nack("k0", 2)
+    sim.dead_letter_all()
+    sim.step("tick", 1)
+    (third,) = sim.take()
+    assert third.message.sequence == 3
+    reads = sim.documents.reads
+    sim.step("crash", 0)
+    assert sim.documents.reads - reads < 10, "recovery kept reading"
+    (again,) = sim.take()
+    assert again.message.sequence == 3
+    _finish(sim)
