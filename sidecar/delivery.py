@@ -433,6 +433,7 @@ def _subscription_status(
     counts["ack_commits"] = runtime_counters.ack_commits
     counts["store_retries"] = runtime_counters.store_retries
     counts["dead_letter_publish_failures"] = runtime_counters.dead_letter_publish_failures
+    counts["dead_letters_pending"] = runtime.dead_letters_pending  # a current value, not a running count
     proto = sidecar_pb2.SubscriptionStatus(
         name=runtime.name,
         mode=status.mode,

@@ -43,9 +43,13 @@ class RecordingDeadLetters:
         self.failures_left = 0
         self.attempts = 0
         self.changed = asyncio.Event()
+        self.refused_keys: set[str] = set()
+        """Messages of these keys are refused for ever (a topic that keeps rejecting them)."""
 
     async def publish(self, subscription: str, message: Message, reason: str, attempts: int) -> None:
         self.attempts += 1
+        if message.key in self.refused_keys:
+            raise ConnectionError(f"dead-letter topic refuses key {message.key!r} (injected)")
         if self.failures_left > 0:
             self.failures_left -= 1
             raise ConnectionError("dead-letter topic unreachable (injected)")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 from delivery_harness import Harness, RecordingDeadLetters, sequence_config, wait_until
 
+from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.runtime import SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store.api import StoreRejected
 from sidecar.store.memory import MemoryStore
@@ -109,6 +110,30 @@ async def test_dead_letter_publish_is_retried_and_never_dropped(make_harness: Ca
     assert harness.dead_letters.attempts == 4
     assert [m.sequence for _, m, _, _ in harness.dead_letters.published] == [1]
     await wait_until(lambda: harness.store.state_of("orders", stored[0]) == "dead_lettered", "the tombstone")
+
+
+async def test_a_dead_letter_the_topic_refuses_delays_only_its_own_key(make_harness: Callable[..., Harness]) -> None:
+    harness = await make_harness({"orders": sequence_config(max_delivery_attempts=1, on_dead_letter="skip")}).start()
+    harness.dead_letters.refused_keys.add("a")
+    runtime = harness.runtimes["orders"]
+    subscriber = await harness.subscribe("orders")
+    await harness.publish("orders", [("a", 1), ("a", 2), ("b", 1), ("b", 2)])
+    first = {m.key: m for m in await subscriber.next_messages(2)}
+
+    await subscriber.nack([first["a"].delivery_id], retry_after_ms=0)  # a/1's dead letter never goes through
+    await wait_until(lambda: harness.dead_letters.attempts >= 2, "a/1's dead letter to be retried")
+    await subscriber.nack([first["b"].delivery_id], retry_after_ms=0)
+
+    # b's dead letter is published although a's is stuck, and b goes on; a waits, visibly.
+    (following,) = await subscriber.next_messages(1)
+    assert (following.key, following.sequence) == ("b", 2)
+    assert [(m.key, m.sequence) for _, m, _, _ in harness.dead_letters.published] == [("b", 1)]
+    assert runtime.dead_letters_pending == 1
+    assert runtime.undelivered() >= 1  # counted: ingest pauses before pending dead letters pile up
+    status = await harness.stub.GetStatus(sidecar_pb2.GetStatusRequest(subscription="orders", max_keys=10))
+    assert status.subscriptions[0].counts["dead_letters_pending"] == 1
+    (a_status,) = [k for k in status.subscriptions[0].keys_detail if k.key == "a"]
+    assert a_status.state == "blocked_dead_letter"
 
 
 async def test_undelivered_counts_ready_and_in_flight_but_not_held(harness: Harness) -> None:
