@@ -152,6 +152,7 @@ class Sidecar:
                 store,
                 dead_letters,
                 on_delivered=functools.partial(self._observe_deliveries, sub.name),
+                max_held_bytes=sub.flow_control.max_held_bytes,
             )
             ingestor = Ingestor(sub, timed_store, runtime, dead_letters)
             subs[sub.name] = _Subscription(sub, runtime, ingestor, _watermark_source(sub, runtime))

@@ -294,6 +294,10 @@ class FlowControlConfig(_Model):
     max_outstanding_messages: int = Field(1_000, ge=1)
     """The Pub/Sub client's flow control: messages received and not yet acked or nacked."""
     max_outstanding_bytes: ByteSize = 100 * 1024 * 1024
+    max_held_bytes: ByteSize = 64 * 1024 * 1024
+    """Payload bytes kept in memory for messages held for ordering (behind a gap, above the
+    watermark). Past it a held message keeps only its metadata in memory, and its payload is read
+    back from Firestore (one read) when it is delivered. Recovery keeps to the same budget."""
 
 
 # ---- subscription and file -------------------------------------------------------------------

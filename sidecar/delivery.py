@@ -245,6 +245,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                     deliveries = runtime.take(stream.consumer, free)
                     for delivery in deliveries:
                         stream.outstanding[delivery.delivery_id] = now_ms
+                    # Payloads left in the store (over the held-bytes budget) are read back first.
+                    deliveries = await runtime.load_payloads(deliveries)
             confirmations, stream.confirmations = stream.confirmations, []
             if deliveries or confirmations:
                 for response in _responses(deliveries, confirmations):

@@ -30,6 +30,7 @@ need and feeds the results back. Rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import secrets
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from sidecar.engine import Engine, UnknownDelivery
+from sidecar.engine.core import payload_size
 from sidecar.engine.types import (
     AckIntent,
     Action,
@@ -125,6 +127,10 @@ class RuntimeCounters:
     ack_commits: int = 0
     store_retries: int = 0
     dead_letter_publish_failures: int = 0
+    payloads_stripped: int = 0
+    """Held messages whose payload was left in the store (over ``max_held_bytes``)."""
+    payloads_read: int = 0
+    """Stripped payloads read back from the store for delivery."""
 
 
 class SubscriptionRuntime:
@@ -140,6 +146,7 @@ class SubscriptionRuntime:
         clock: Callable[[], int] = wall_clock_ms,
         id_prefix: str | None = None,
         on_delivered: Callable[[Sequence[Deliver], int], None] | None = None,
+        max_held_bytes: int | None = None,
     ) -> None:
         self.name = name
         self._config = engine_config
@@ -151,6 +158,9 @@ class SubscriptionRuntime:
         self._on_delivered = on_delivered
         """Observer of every batch ``take`` hands out, with ``now_ms`` (metrics: publish-to-delivery)."""
         self._engine: Engine | None = None
+        self._max_held_bytes = max_held_bytes
+        """Payload bytes kept in memory for stored messages not yet handed out (None: no limit)."""
+        self._held_bytes = 0
         self._stopping = False
         self.failure: BaseException | None = None
         self.counters = RuntimeCounters()
@@ -216,6 +226,9 @@ class SubscriptionRuntime:
         snapshot = await self._retry_load(progress)
         now_ms = self._clock()
         self._engine = Engine.restore(self._config, snapshot, now_ms, id_prefix=self._id_prefix)
+        self._held_bytes = sum(
+            payload_size(m.payload) for m in snapshot.pending if m.payload is not None and not m.payload.stripped
+        )
         _LOGGER.info(
             "subscription %s recovered: %d pending messages, %d key cursors",
             self.name,
@@ -236,7 +249,7 @@ class SubscriptionRuntime:
         attempt = 0
         while True:
             try:
-                return await self._store.load(self.name, self._clock(), progress)
+                return await self._store.load(self.name, self._clock(), progress, self._max_held_bytes)
             except StoreUnavailable as exc:
                 self.counters.store_retries += 1
                 _LOGGER.warning("subscription %s: store load unavailable (%s); retrying", self.name, exc)
@@ -309,9 +322,25 @@ class SubscriptionRuntime:
         """Messages the store made durable (PersistOutcome.STORED), in arrival order."""
         engine = self._require_engine()
         now_ms = self._clock()
+        budget = self._max_held_bytes
         for message in messages:
-            self._apply(engine.on_stored(message, now_ms))
+            actions = engine.on_stored(message, now_ms)
+            payload = message.payload
+            if payload is not None and not payload.stripped and (not actions or isinstance(actions[0], Hold)):
+                size = payload_size(payload)
+                if actions and budget is not None and self._held_bytes + size > budget:
+                    # Held for ordering and over the budget: the store keeps the payload meanwhile.
+                    if engine.strip_payload(message):
+                        self.counters.payloads_stripped += 1
+                        size = 0
+                self._held_bytes += size
+            self._apply(actions)
         self._after_change()
+
+    @property
+    def held_bytes(self) -> int:
+        """Payload bytes in memory for stored messages not yet handed out (held or ready)."""
+        return self._held_bytes
 
     def advance_watermark(self, watermark_ms: int) -> None:
         engine = self._require_engine()
@@ -351,11 +380,34 @@ class SubscriptionRuntime:
             return []
         now_ms = self._clock()
         deliveries = engine.take(consumer, max_messages, now_ms)
+        for delivery in deliveries:
+            payload = delivery.message.payload
+            if delivery.attempt == 1 and payload is not None and not payload.stripped:
+                self._held_bytes = max(0, self._held_bytes - payload_size(payload))
         if deliveries:
             self._maybe_wake_timer()
             if self._on_delivered is not None:
                 self._on_delivered(deliveries, now_ms)
         return deliveries
+
+    async def load_payloads(self, deliveries: list[Deliver]) -> list[Deliver]:
+        """``deliveries`` with every stripped payload read back from the store (counted as reads).
+
+        Retried while the store is unavailable; the deliveries stay in flight meanwhile (their ack
+        deadline runs, and an expiry gives them back as usual)."""
+        stripped = [d.message for d in deliveries if d.message.payload is not None and d.message.payload.stripped]
+        if not stripped:
+            return deliveries
+        loaded = await self._retry_store(self._store.read_payloads, stripped)
+        self.counters.payloads_read += len(stripped)
+        by_ref = {m.payload.ref: m for m in loaded if m.payload is not None}
+        out = []
+        for delivery in deliveries:
+            payload = delivery.message.payload
+            if payload is not None and payload.stripped:
+                delivery = dataclasses.replace(delivery, message=by_ref[payload.ref])
+            out.append(delivery)
+        return out
 
     def submit_ack(self, consumer: str, delivery_ids: Sequence[str]) -> AckTicket:
         """Accept acks now (the engine holds their keys as "acking"); confirm once durable."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from sidecar.engine import timers as _timers
@@ -55,6 +56,7 @@ from sidecar.engine.types import (
     Hold,
     KeyStatus,
     Message,
+    Payload,
 )
 from sidecar.engine.types import (
     KeyState as KeyStateName,
@@ -333,6 +335,20 @@ class Engine:
                 if key.queued == queue_name:
                     key.queued = None
         return False
+
+    def strip_payload(self, message: Message) -> int:
+        """Forget a held message's data and attributes (the store keeps them); returns the bytes
+        freed, 0 when the message is not held here or already stripped. Ordering is unaffected:
+        the engine never looks inside a payload."""
+        entry = self._find(message)
+        payload = None if entry is None else entry.message.payload
+        if entry is None or entry.state != HELD or payload is None or payload.stripped or not payload.ref:
+            return 0
+        freed = payload_size(payload)
+        entry.message = replace(
+            entry.message, payload=replace(payload, data=b"", attributes={}, stripped=True)
+        )
+        return freed
 
     def is_in_flight(self, delivery_id: str) -> bool:
         """True while ``delivery_id`` is delivered and not yet acked, nacked, expired or returned."""
@@ -848,6 +864,11 @@ def _validate(config: EngineConfig) -> None:
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def payload_size(payload: Payload) -> int:
+    """Bytes a payload holds in memory, roughly: data plus attribute text."""
+    return len(payload.data) + sum(len(k) + len(v) for k, v in payload.attributes.items())
 
 
 def _identity(message: Message) -> object:

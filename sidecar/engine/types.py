@@ -26,6 +26,9 @@ class Payload:
     ordering_key: str = ""
     ref: str = ""
     """The store's handle for this message (e.g. the Firestore document id)."""
+    stripped: bool = False
+    """The data and attributes were left in the store to save memory (``data``/``attributes`` are
+    empty): the I/O layer reads them back by ``ref`` before the message reaches the app."""
 
 
 @dataclass(frozen=True, slots=True)

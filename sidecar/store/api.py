@@ -130,11 +130,22 @@ class Store(Protocol):
         ...
 
     async def load(
-        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+        self,
+        subscription: str,
+        now_ms: int,
+        progress: Callable[[int], None] | None = None,
+        max_payload_bytes: int | None = None,
     ) -> EngineSnapshot:
         """Cursors and pending messages, to rebuild the engine before anything is delivered.
-        ``progress`` is called with the number of documents read so far, as reading goes on.
+        ``progress`` is called with the number of documents read so far, as reading goes on. Past
+        ``max_payload_bytes`` of payloads, pending messages come back stripped (``Payload.stripped``):
+        read them with ``read_payloads`` when they are delivered.
         Raises StoreRejected, naming the document, on a document it cannot read as its own."""
+        ...
+
+    async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
+        """The pending ``messages`` (stripped) with their payloads read back, in order. Raises
+        StoreRejected when one is no longer pending (its record was finished or deleted)."""
         ...
 
     async def close(self) -> None: ...

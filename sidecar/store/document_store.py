@@ -287,14 +287,7 @@ class DocumentStore:
         out: list[tuple[str, dict[str, Any]]] = []
         after: object | None = None
         while True:
-            for attempt in range(_PAGE_ATTEMPTS):
-                try:
-                    page = await self._documents.query(sub.path, collection, where, order_by, after, _PAGE_SIZE)
-                    break
-                except StoreUnavailable:
-                    if attempt + 1 == _PAGE_ATTEMPTS:
-                        raise
-                    await asyncio.sleep(0.1 * 2**attempt)
+            page = await self._query_page(sub, collection, where, order_by, after)
             out += page.documents
             progress(len(page.documents))
             if page.after is None:
@@ -322,7 +315,13 @@ class DocumentStore:
         except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
             raise StoreRejected(str(exc)) from exc
 
-    async def load(self, subscription: str, now_ms: int, progress: Progress | None = None) -> EngineSnapshot:
+    async def load(
+        self,
+        subscription: str,
+        now_ms: int,
+        progress: Progress | None = None,
+        max_payload_bytes: int | None = None,
+    ) -> EngineSnapshot:
         sub = self._sub(subscription)
         loaded = 0
 
@@ -336,13 +335,11 @@ class DocumentStore:
             checkpoint = await self._checkpoint(sub, now_ms)
             since = recovery.since_ms(checkpoint)
             cursor_docs = await self._query_all(sub, "keys", None, None, count)
-            pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
-            pending_docs = await self._query_all(sub, "messages", pending_filter, None, count)
             recent_docs = await self._query_all(
                 sub, "messages", docs.Filter("done_ms", "GREATER_THAN_OR_EQUAL", since), "done_ms", count
             )
             try:
-                pending = await self._decode_pending(sub, pending_docs)
+                pending = await self._load_pending(sub, max_payload_bytes, count)
                 recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since)
             except layout.CorruptDocument as exc:
                 raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
@@ -350,6 +347,65 @@ class DocumentStore:
             sub.checkpoint_ms = checkpoint
         self._maybe_wake_flusher(sub)
         return recovered.snapshot
+
+    async def _load_pending(self, sub: _Subscription, budget: int | None, progress: Progress) -> list[Message]:
+        """Every pending message, decoded page by page so that only one page of payloads is ever in
+        memory beyond the budget; past ``budget`` payload bytes a message is kept stripped."""
+        pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
+        out: list[Message] = []
+        kept = 0
+        after: object | None = None
+        while True:
+            page = await self._query_page(sub, "messages", pending_filter, None, after)
+            progress(len(page.documents))
+            keep: list[tuple[str, dict[str, Any]]] = []
+            for doc_id, fields in page.documents:
+                size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
+                if budget is None or kept + size <= budget:
+                    kept += size
+                    keep.append((doc_id, fields))
+                else:
+                    out.append(layout.stripped_message_from_fields(doc_id, fields))
+            out += await self._decode_pending(sub, keep)
+            if page.after is None:
+                return out
+            after = page.after
+
+    async def _query_page(
+        self, sub: _Subscription, collection: str, where: docs.Filter | None, order_by: str | None, after: object | None
+    ) -> docs.Page:
+        for attempt in range(_PAGE_ATTEMPTS):
+            try:
+                return await self._documents.query(sub.path, collection, where, order_by, after, _PAGE_SIZE)
+            except StoreUnavailable:
+                if attempt + 1 == _PAGE_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
+        sub = self._sub(subscription)
+        targets = []
+        for message in messages:
+            target = layout.doc_id_of(message)
+            if target is None:
+                raise StoreRejected(f"read_payloads: message {message.dedup_id!r} was never stored (no ref)")
+            targets.append(target[0])
+        paths = [_message_path(sub.path, doc_id) for doc_id in targets]
+        found = await self._documents.get_all(paths)
+        docs_found: list[tuple[str, dict[str, Any]]] = []
+        for doc_id, path in zip(targets, paths, strict=True):
+            fields = found.get(path)
+            if fields is None or fields.get("state") != layout.PENDING:
+                raise StoreRejected(
+                    f"read_payloads: message document {path} is "
+                    f"{'gone' if fields is None else repr(fields.get('state'))}, not pending: its payload is lost"
+                )
+            docs_found.append((doc_id, fields))
+        try:
+            return await self._decode_pending(sub, docs_found)
+        except layout.CorruptDocument as exc:
+            raise StoreRejected(f"read_payloads: {exc}") from exc
 
     async def _decode_pending(self, sub: _Subscription, found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
         """Pending messages, chunked data reassembled (one batched get for all chunks)."""

@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 from typing import Any
@@ -209,6 +210,13 @@ def message_from_fields(doc_id: str, fields: dict[str, Any], data: bytes | None 
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDocument(f"message document {doc_id}: {exc!r}") from exc
+
+
+def stripped_message_from_fields(doc_id: str, fields: dict[str, Any]) -> Message:
+    """A pending message without its data and attributes (``Payload.stripped``): the store keeps them."""
+    message = message_from_fields(doc_id, {**fields, "data": b"", "attrs": []})
+    assert message.payload is not None
+    return dataclasses.replace(message, payload=dataclasses.replace(message.payload, stripped=True))
 
 
 def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:

@@ -32,12 +32,13 @@ from sidecar.store.api import (
     PersistOutcome,
     PersistResult,
     StoreError,
+    StoreRejected,
     StoreUnavailable,
 )
 
 _PENDING = "pending"
 _TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dead_lettered_aside", "dropped"})
-_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load"})
+_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load", "read_payloads"})
 
 
 @dataclass(slots=True)
@@ -164,7 +165,11 @@ class MemoryStore:
                 record.state = state
 
     async def load(
-        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+        self,
+        subscription: str,
+        now_ms: int,
+        progress: Callable[[int], None] | None = None,
+        max_payload_bytes: int | None = None,
     ) -> EngineSnapshot:
         self._enter("load")
         data = self._data(subscription)
@@ -172,6 +177,17 @@ class MemoryStore:
         if progress is not None:
             progress(len(pending) + len(data.cursors))
         return EngineSnapshot(cursors=tuple(data.cursors.values()), pending=pending)
+
+    async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
+        self._enter("read_payloads")
+        data = self._data(subscription)
+        out = []
+        for message in messages:
+            record = data.records.get(doc_id_for(message.key, message.dedup_id, message.sequence))
+            if record is None or record.state != _PENDING:
+                raise StoreRejected(f"read_payloads: message {message.dedup_id!r} is not pending")
+            out.append(record.message)
+        return out
 
     async def close(self) -> None:
         self.closed = True

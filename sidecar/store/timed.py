@@ -31,9 +31,16 @@ class TimedStore:
         await self._inner.mark_done(subscription, messages, state, now_ms)
 
     async def load(
-        self, subscription: str, now_ms: int, progress: Callable[[int], None] | None = None
+        self,
+        subscription: str,
+        now_ms: int,
+        progress: Callable[[int], None] | None = None,
+        max_payload_bytes: int | None = None,
     ) -> EngineSnapshot:
-        return await self._inner.load(subscription, now_ms, progress)
+        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes)
+
+    async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
+        return await self._inner.read_payloads(subscription, messages, now_ms)
 
     async def close(self) -> None:
         await self._inner.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sidecar.engine import DeadLetter, Deliver, DropDuplicate, Engine, EngineConfig, Hold, UnknownDelivery
@@ -103,6 +103,8 @@ class SimConfig:
     dedup_ttl_ms: int = 60_000
     ack_deadline_ms: int = 5_000
     tombstones_per_commit: int = 2
+    max_held_bytes: int | None = None
+    """Payload bytes of held messages kept in memory (the runtime's budget); past it they are stripped."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -141,6 +143,7 @@ class _Life:
     drops: list[Message] = field(default_factory=list)
     accepted: set[Identity] = field(default_factory=set)
     """Identities whose app ack the engine accepted in this life."""
+    held_bytes: int = 0
 
 
 @dataclass
@@ -200,9 +203,10 @@ class Simulation:
             background_flush=False,
             tombstones_per_commit=self.config.tombstones_per_commit,
         )
-        snapshot = self._run(store.load(SUB, self.now_ms))
+        snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes))
         engine = Engine.restore(self.config.engine_config(), snapshot, self.now_ms, id_prefix=f"life{self.crashes}-")
-        return _Life(store, engine)
+        held = sum(len(m.payload.data) for m in snapshot.pending if m.payload is not None)
+        return _Life(store, engine, held_bytes=held)
 
     def _before_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
         if self._writes_until_crash is None:
@@ -307,9 +311,7 @@ class Simulation:
             self.pubsub[self._copy_counter] = message
 
     def op_take(self, arg: int) -> None:
-        for delivery in self.life.engine.take(f"c{arg % 2}", 1 + arg % 3, self.now_ms):
-            self._check_delivery(delivery)
-            self.life.outstanding[delivery.delivery_id] = delivery
+        self.take(f"c{arg % 2}", 1 + arg % 3)
 
     def _pick(self, arg: int) -> Deliver | None:
         outstanding = self.life.outstanding
@@ -406,9 +408,11 @@ class Simulation:
 
     def op_expire(self, arg: int) -> None:
         """Time passes beyond the dedup TTL and the TTL policy deletes expired tombstones. So much
-        time also means the store's background flush has written the dirty cursors meanwhile."""
+        time also means the runtime's retries (ack commits, dead letters, drops) and the store's
+        background flush have run meanwhile."""
         self.now_ms += 1_100
-        self.op_flush(arg)
+        for op in ("commit_acks", "drops", "dead_letter", "flush"):
+            getattr(self, f"op_{op}")(arg)
         self.now_ms += self.config.dedup_ttl_ms + 1
         self.expired_tombstones |= self.finished_documents()
         self.expired_contents |= self.finished_contents()
@@ -453,11 +457,28 @@ class Simulation:
                 return  # nothing could be persisted now
 
     def take(self, consumer: str = "c0", count: int = 10) -> list[Deliver]:
-        deliveries = self.life.engine.take(consumer, count, self.now_ms)
+        """The runtime's take: hand out, then read stripped payloads back (a store read that may fail)."""
+        life = self.life
+        deliveries = life.engine.take(consumer, count, self.now_ms)
+        stripped = [d.message for d in deliveries if d.message.payload is not None and d.message.payload.stripped]
+        loaded: dict[str, Message] = {}
+        if stripped:
+            try:
+                loaded = {m.payload.ref: m for m in self._run(life.store.read_payloads(SUB, stripped, self.now_ms))}
+            except StoreError:
+                life.engine.consumer_closed(consumer, self.now_ms)  # given back; the app never saw them
+                return []
+        out = []
         for delivery in deliveries:
+            payload = delivery.message.payload
+            if payload is not None and payload.stripped:
+                delivery = replace(delivery, message=loaded[payload.ref])
+            elif delivery.attempt == 1 and payload is not None:
+                life.held_bytes -= len(payload.data)
             self._check_delivery(delivery)
-            self.life.outstanding[delivery.delivery_id] = delivery
-        return deliveries
+            life.outstanding[delivery.delivery_id] = delivery
+            out.append(delivery)
+        return out
 
     def delivery_of(self, key: str, seq: int) -> Deliver:
         (delivery,) = [d for d in self.life.outstanding.values() if _identity(d.message) == (key, seq)]
@@ -489,7 +510,16 @@ class Simulation:
     # ---- engine glue ------------------------------------------------------------------------------
 
     def _on_stored(self, message: Message) -> None:
-        self._apply(self.life.engine.on_stored(message, self.now_ms))
+        life = self.life
+        actions = life.engine.on_stored(message, self.now_ms)
+        budget = self.config.max_held_bytes
+        if message.payload is not None and (not actions or isinstance(actions[0], Hold)):
+            size = len(message.payload.data)
+            if actions and budget is not None and life.held_bytes + size > budget:
+                if life.engine.strip_payload(message):
+                    size = 0
+            life.held_bytes += size
+        self._apply(actions)
 
     def _apply(self, actions: Sequence[Any]) -> None:
         for action in actions:
@@ -507,6 +537,11 @@ class Simulation:
         message = delivery.message
         ident = _identity(message)
         assert ident not in self.confirmed, f"G3: {ident} delivered again after its ack was confirmed"
+        assert message.payload is not None and not message.payload.stripped, f"{ident} delivered without its data"
+        expected = Published(message.key, message.sequence or 0, int(message.payload.attributes["v"])).incoming()
+        assert (message.payload.data, message.fingerprint) == (expected.data, expected.fingerprint), (
+            f"{ident} delivered with other data than was published"
+        )
         for skipped in delivery.skipped:
             self.skipped.update((message.key, seq) for seq in range(skipped.first, skipped.last + 1))
         if delivery.late:

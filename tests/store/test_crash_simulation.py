@@ -37,6 +37,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         conflicts=conflicts,
         malformed=draw(st.integers(0, 1)),
         tombstones_per_commit=draw(st.integers(1, 3)),
+        max_held_bytes=draw(st.sampled_from([None, 0, 20])),
     )
 
 
