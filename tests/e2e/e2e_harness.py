@@ -2,7 +2,7 @@
 
 Both are started with ``python -m sidecar``; tests talk to them only over the network: the official
 Google clients (publishing, topic and subscription admin, pulling dead letters), the project's app
-client (``sidecar.client.OrderedSubscriber``) and HTTP. Waits are polls with deadlines or events,
+client (``pubsub_sidecar_client.OrderedSubscriber``) and HTTP. Waits are polls with deadlines or events,
 never bare sleeps.
 
 Named ``e2e_harness`` (not ``harness``): test directories have no ``__init__.py``, so their helper
@@ -36,7 +36,7 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.client import Message, OrderedSubscriber
+from pubsub_sidecar_client import Message, OrderedSubscriber
 
 _T = TypeVar("_T")
 
