@@ -16,9 +16,11 @@ WORKDIR /src
 # pyproject.toml reads README.md for the package description.
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-COPY pubsub_sidecar ./pubsub_sidecar
 COPY bench ./bench
-RUN pip wheel --wheel-dir /wheels . \
+# The sidecar depends on the Python client distribution (it holds the generated gRPC code); naming
+# both folders in one `pip wheel` makes pip take the client from here, not from a package index.
+COPY clients/python ./clients/python
+RUN pip wheel --wheel-dir /wheels ./clients/python . \
  && python -m venv /opt/pubsub-sidecar \
  && /opt/pubsub-sidecar/bin/pip install --no-index --find-links /wheels pubsub-sidecar \
  && /opt/pubsub-sidecar/bin/pip uninstall --yes pip

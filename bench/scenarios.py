@@ -46,7 +46,7 @@ from bench.harness import (
     wait_until,
     write_sidecar_config,
 )
-from sidecar.client import OrderedSubscriber
+from pubsub_sidecar_client import OrderedSubscriber
 
 SHUFFLED_FRACTION = 0.10
 DUPLICATED_FRACTION = 0.01

@@ -7,7 +7,7 @@ For each ``--metric P:D`` (sampling period P seconds, visibility delay D seconds
 project's emulators and a sidecar as real processes (``tests/e2e/e2e_harness.py``), configured with
 ``max_metric_delay = P + D`` (the rule's requirement, docs/watermark.md), publishes ``--messages``
 messages over ``--keys`` keys at a steady ``--rate`` with the official client, and measures, in the
-app (``sidecar.client.OrderedSubscriber``), ``arrival wall clock - publish_time``.
+app (``pubsub_sidecar_client.OrderedSubscriber``), ``arrival wall clock - publish_time``.
 
 The goal (issue 7) is p99 <= P + D + margin + 1 s: the mode adds nothing of its own beyond what the
 metric imposes. The emulators, sidecar and app share one host clock, so the latency has no clock
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e")
 
 from e2e_harness import EmulatorsProcess, PubSub, SidecarProcess, subscription_entry, write_config
 
-from sidecar.client import OrderedSubscriber
+from pubsub_sidecar_client import OrderedSubscriber
 
 
 @dataclass(frozen=True, slots=True)

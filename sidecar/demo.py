@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from pubsub_sidecar_client import OrderedSubscriber
 from sidecar.app import Sidecar
-from sidecar.client import OrderedSubscriber
 from sidecar.config import load_config
 from sidecar.demo_pubsub import DemoPubSub
 from sidecar.emulators.stack import EmulatorStack

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.client import get_status
+from pubsub_sidecar_client import get_status
 
 EXIT_FAILED = 1
 """The sidecar could not be asked, or refused to answer."""

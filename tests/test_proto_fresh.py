@@ -1,4 +1,5 @@
-"""The committed generated package ``pubsub_sidecar/`` matches what `make proto` makes from ``proto/``.
+"""The committed generated package ``clients/python/src/pubsub_sidecar/`` matches what `make proto` makes
+from ``proto/``.
 
 Fails when someone edits the .proto without running `make proto`, or edits generated code by hand.
 """
@@ -29,7 +30,7 @@ def test_committed_generated_code_matches_proto() -> None:
 def test_check_detects_a_stale_file(tmp_path: Path) -> None:
     gen_proto = _load_gen_proto()
     # A copy of the committed package with one generated file changed by hand, and one stray file.
-    package = tmp_path / "pubsub_sidecar"
+    package = tmp_path / gen_proto.PACKAGE
     gen_proto.generate(tmp_path)
     stub = package / "v1" / "sidecar_pb2_grpc.py"
     stub.write_text(stub.read_text() + "# edited by hand\n")
@@ -40,6 +41,16 @@ def test_check_detects_a_stale_file(tmp_path: Path) -> None:
         "pubsub_sidecar/v1/sidecar_pb2_grpc.py",
     ]
     assert "edited by hand" in problems[1]
+
+
+def test_generated_package_lives_in_the_client_distribution() -> None:
+    gen_proto = _load_gen_proto()
+    assert gen_proto.OUT_ROOT == REPO_ROOT / "clients" / "python" / "src"
+    # The import resolves to that copy: the server carries none of its own.
+    import pubsub_sidecar
+
+    assert Path(pubsub_sidecar.__file__).resolve().parent == gen_proto.OUT_ROOT / "pubsub_sidecar"
+    assert not (REPO_ROOT / "pubsub_sidecar").exists()
 
 
 def test_generated_service_has_the_contract_names() -> None:

@@ -1,6 +1,6 @@
 """Component-test harness for the delivery layer: MemoryStore + SubscriptionRuntime + a real grpc.aio server on port 0.
 
-Tests talk to the server through a real channel with the generated stubs (not ``sidecar.client``), so
+Tests talk to the server through a real channel with the generated stubs (not ``pubsub_sidecar_client``), so
 what they check is the wire contract. Everything a test starts is stopped by the fixture.
 """
 

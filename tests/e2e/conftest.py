@@ -25,7 +25,7 @@ from e2e_harness import (
     write_config,
 )
 
-from sidecar.client import Message
+from pubsub_sidecar_client import Message
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Both are started with ``python -m sidecar``; tests talk to them only over the network: the official
 Google clients (publishing, topic and subscription admin, pulling dead letters), the project's app
-client (``sidecar.client.OrderedSubscriber``) and HTTP. Waits are polls with deadlines or events,
+client (``pubsub_sidecar_client.OrderedSubscriber``) and HTTP. Waits are polls with deadlines or events,
 never bare sleeps.
 
 Named ``e2e_harness`` (not ``harness``): test directories have no ``__init__.py``, so their helper
@@ -36,7 +36,7 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.client import Message, OrderedSubscriber
+from pubsub_sidecar_client import Message, OrderedSubscriber
 
 _T = TypeVar("_T")
 
@@ -90,7 +90,7 @@ async def async_poll(
         await asyncio.sleep(interval)
 
 
-class _OutputPump:
+class OutputPump:
     """Reads a process's output in a thread, keeping every line (for diagnostics and parsing)."""
 
     def __init__(self, stream: Any, echo_prefix: str | None = None) -> None:
@@ -138,7 +138,7 @@ class EmulatorsProcess:
     env: dict[str, str] = field(default_factory=dict)
     admin_url: str = ""
     _proc: subprocess.Popen[str] | None = None
-    _out: _OutputPump | None = None
+    _out: OutputPump | None = None
 
     def start(self) -> None:
         cmd = [
@@ -149,7 +149,7 @@ class EmulatorsProcess:
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env({})
         )
-        self._out = _OutputPump(self._proc.stdout)
+        self._out = OutputPump(self._proc.stdout)
         wanted = ("PUBSUB_EMULATOR_HOST", "FIRESTORE_EMULATOR_HOST", "MONITORING_EMULATOR_HOST", "EMULATORS_ADMIN_URL")
 
         def has_all(lines: list[str]) -> bool:
@@ -215,7 +215,7 @@ class SidecarProcess:
     grpc: str = ""
     http: str = ""
     _proc: subprocess.Popen[str] | None = None
-    _out: _OutputPump | None = None
+    _out: OutputPump | None = None
     _starts: int = 0
 
     def start(self, wait_ready: bool = True) -> None:
@@ -228,7 +228,7 @@ class SidecarProcess:
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env(self.env)
         )
-        self._out = _OutputPump(self._proc.stdout, "[sidecar] " if self.echo else None)
+        self._out = OutputPump(self._proc.stdout, "[sidecar] " if self.echo else None)
         self._starts += 1
         self.grpc = self.http = ""
         if wait_ready:

@@ -8,7 +8,7 @@ import pytest
 from conftest import Scenario
 from e2e_harness import async_poll, async_wait_until, order_message
 
-from sidecar.client import get_status
+from pubsub_sidecar_client import get_status
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import Scenario, Sub
 from e2e_harness import App, async_poll, async_wait_until, order_message
 
-from sidecar.client import get_status
+from pubsub_sidecar_client import get_status
 
 pytestmark = pytest.mark.e2e
 

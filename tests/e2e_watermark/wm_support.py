@@ -35,7 +35,7 @@ from e2e_harness import (
     write_config,
 )
 
-from sidecar.client import Message, get_status
+from pubsub_sidecar_client import Message, get_status
 
 METRIC_PERIOD_S = 1.0
 METRIC_DELAY_S = 2.0

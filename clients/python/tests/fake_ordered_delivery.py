@@ -31,12 +31,18 @@ class FakeSidecar(sidecar_pb2_grpc.OrderedDeliveryServicer):
         """While set, every ack is confirmed at once; while clear, confirmations wait for it."""
         self.confirm_acks.set()
         self.status = sidecar_pb2.GetStatusResponse()
+        self.refusals_left = 0
+        """Refuse this many opens with UNAVAILABLE, as the sidecar does while a subscription recovers."""
 
     async def Subscribe(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("open"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first request must be `open`")
         self.open_attempts.append(first.open)
+        if self.refusals_left > 0:
+            self.refusals_left -= 1
+            reason = f"subscription {first.open.subscription!r} is still recovering; retry shortly"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         if first.open.subscription not in self.subscriptions:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown subscription {first.open.subscription!r}")
         if not 0 <= first.open.max_outstanding_messages <= MAX_OUTSTANDING_LIMIT:

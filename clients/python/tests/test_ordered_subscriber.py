@@ -1,8 +1,9 @@
-"""sidecar.client against a fake servicer over real gRPC on loopback (and a Unix socket)."""
+"""pubsub_sidecar_client against a fake servicer over real gRPC on loopback (and a Unix socket)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -14,7 +15,7 @@ from fake_ordered_delivery import FakeSidecar, serve
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.client import Message, NotConfirmed, OrderedSubscriber, SubscriptionError, get_status
+from pubsub_sidecar_client import Message, NotConfirmed, OrderedSubscriber, SubscriptionError, get_status
 
 DEADLINE_SECONDS = 10.0
 """Generous: other engineers' test suites share this 2-core machine."""
@@ -221,6 +222,45 @@ async def test_not_found_is_raised_to_the_app_and_not_retried(fake: FakeSidecar)
         # Acting on the subscriber after the failure repeats the error instead of hanging.
         with pytest.raises(SubscriptionError):
             await next_message(sub)
+
+
+async def test_refusal_is_one_error_line_naming_target_code_and_reason(
+    fake: FakeSidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="pubsub_sidecar_client")
+    async with serve(fake) as target, subscriber(target, "no-such-subscription") as sub:
+        with pytest.raises(SubscriptionError) as raised:
+            await next_message(sub)
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line == (
+        f"sidecar at {target} refused subscription 'no-such-subscription': "
+        "NOT_FOUND: unknown subscription 'no-such-subscription'"
+    )
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [(r.levelname, r.getMessage()) for r in errors] == [("ERROR", line)]
+
+
+async def test_a_sidecar_not_ready_yet_is_retried_with_one_warning_line(
+    fake: FakeSidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="pubsub_sidecar_client")
+    fake.refusals_left = 4
+    async with serve(fake) as target, subscriber(target) as sub:
+        outbox = await next_stream(fake)
+        await outbox.put(sidecar_pb2.SubscribeResponse(messages=[ordered("d1")]))
+        msg = await next_message(sub)
+        assert msg.delivery_id == "d1" and fake.refusals_left == 0
+        assert len(fake.open_attempts) == 5 and sub.reconnects == 4
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("pubsub_sidecar_client")]
+    reason = "UNAVAILABLE: subscription 'orders' is still recovering; retry shortly"
+    refused = f"sidecar at {target} is not serving subscription 'orders' ({reason}); retrying with backoff"
+    # Four refusals: one WARNING, the repeats at DEBUG, then one INFO once messages flow.
+    assert [r for r in records if r[0] != "DEBUG"] == [
+        ("WARNING", refused),
+        ("INFO", f"sidecar at {target} serves subscription 'orders' again"),
+    ]
+    assert records.count(("DEBUG", refused)) == 3
 
 
 async def test_invalid_argument_is_raised_to_the_app_and_not_retried(fake: FakeSidecar) -> None:

@@ -17,10 +17,12 @@ Rules this module keeps:
 - ``msg.ack()`` returns once the ack is queued on the live stream. The sidecar confirms an ack only
   after it is durable; ``await msg.confirmed()`` waits for that confirmation. After a confirmation
   the message is never delivered again; an unconfirmed ack may lead to one redelivery.
-- Transient failures (the sidecar restarting, a broken connection: UNAVAILABLE and the like, or the
-  server ending the stream) reconnect with exponential backoff and jitter. Errors that retrying
-  cannot fix (INVALID_ARGUMENT, NOT_FOUND, ...) stop the subscriber and are raised to the app as
-  ``SubscriptionError`` from the ``async for``.
+- Transient failures (the sidecar restarting, a broken connection, a subscription still
+  recovering: UNAVAILABLE and the like, or the server ending the stream) reconnect with exponential
+  backoff and jitter. A run of failures is logged as one WARNING line (repeats of the same error go
+  to DEBUG) and its end as one INFO line, so a sidecar that is down does not flood the app's log.
+  Errors that retrying cannot fix (INVALID_ARGUMENT, NOT_FOUND, ...) stop the subscriber and are
+  raised to the app as ``SubscriptionError`` (one line) from the ``async for``.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ import logging
 import random
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from types import TracebackType
 
 import grpc
-from google.protobuf import duration_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
+from pubsub_sidecar_client.errors import ClientError, NotConfirmed, SubscriptionError, is_transient, one_line
+from pubsub_sidecar_client.message import Message, _Stream, _to_datetime, _to_duration
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,166 +47,11 @@ _DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_receive_mess
 """Pub/Sub messages reach 10 MB and the sidecar sends a large one alone in a response; gRPC's default
 receive limit of 4 MiB would reject it."""
 
-_RETRYABLE_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,  # the server cancelled the stream, e.g. while shutting down
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
-"""Codes a new stream can cure. Everything else (INVALID_ARGUMENT, NOT_FOUND, UNIMPLEMENTED,
-PERMISSION_DENIED, ...) is a mistake in the app or the config: retrying would loop forever."""
-
 _MAX_IDS_PER_ACK = 1000
 """Merged acks stay far below gRPC's 4 MiB default message limit (delivery ids are short strings)."""
 
 _RECENT_CONFIRMATIONS = 10_000
 """How many confirmed delivery ids ``wait_confirmed`` still recognises after the fact."""
-
-
-class ClientError(Exception):
-    """Base class of this module's errors."""
-
-
-class SubscriptionError(ClientError):
-    """The sidecar rejected the stream with an error that reconnecting cannot fix."""
-
-    def __init__(self, subscription: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"subscription {subscription!r}: {code.name}: {details}")
-        self.subscription = subscription
-        self.code = code
-        self.details = details
-
-
-class NotConfirmed(ClientError):
-    """An ack will not be confirmed: the message was nacked, or its stream ended first.
-
-    The sidecar redelivers such a message (with a higher ``delivery_attempt``).
-    """
-
-
-class _Stream:
-    """One connection's state: its outgoing requests and the messages it delivered."""
-
-    def __init__(self, generation: int) -> None:
-        self.generation = generation
-        self.is_open = True
-        self.outgoing: asyncio.Queue[sidecar_pb2.SubscribeRequest | None] = asyncio.Queue()
-        self.outstanding: dict[str, Message] = {}
-        """Delivered on this stream and not yet confirmed or nacked, by delivery id."""
-        self.awaiting_confirmation: set[str] = set()
-        self.all_confirmed = asyncio.Event()
-        self.all_confirmed.set()
-        self.got_response = False
-
-    def close(self) -> None:
-        """End this generation: nothing more is sent, and nothing it delivered can be confirmed."""
-        self.is_open = False
-        while not self.outgoing.empty():
-            self.outgoing.get_nowait()
-        # Unblock the request iterator so gRPC finishes the call.
-        self.outgoing.put_nowait(None)
-        for message in self.outstanding.values():
-            message._fail_confirmation(f"the stream (generation {self.generation}) ended before the ack was confirmed")
-        self.outstanding.clear()
-        self.awaiting_confirmation.clear()
-        self.all_confirmed.set()
-
-
-@dataclass(eq=False, slots=True)
-class Message:
-    """A message delivered by the sidecar, as plain Python values.
-
-    ``publish_time`` and ``event_time`` are timezone-aware UTC datetimes (``event_time`` is None
-    outside watermark mode); ``sequence`` is 0 outside sequence mode; ``skipped`` holds the
-    inclusive ``(first, last)`` sequence ranges skipped right before this message.
-    """
-
-    delivery_id: str
-    key: str
-    message_id: str
-    dedup_id: str
-    data: bytes
-    attributes: dict[str, str]
-    publish_time: datetime | None
-    sequence: int
-    event_time: datetime | None
-    delivery_attempt: int
-    late: bool
-    skipped: tuple[tuple[int, int], ...]
-    _subscriber: OrderedSubscriber = field(repr=False)
-    _stream: _Stream = field(repr=False)
-    _settled: bool = field(default=False, repr=False)
-    _is_confirmed: bool = field(default=False, repr=False)
-    _failure: str = field(default="", repr=False)
-    _confirmation: asyncio.Future[None] | None = field(default=None, repr=False)
-
-    async def ack(self) -> bool:
-        """Acknowledge; returns True once queued on the stream, False when dropped.
-
-        Dropped means the stream that delivered the message is gone (it will be redelivered) or
-        the message was already acked or nacked.
-        """
-        return self._subscriber._settle(self, ack=True)
-
-    async def nack(self, retry_after: timedelta | float | None = None, dead_letter: bool = False) -> bool:
-        """Give the message back: redelivered after ``retry_after`` (seconds or timedelta; None = the
-        subscription's backoff policy), or published to the dead-letter topic when ``dead_letter``.
-
-        Returns as ``ack()`` does. Raises ValueError for a negative ``retry_after``.
-        """
-        return self._subscriber._settle(self, ack=False, retry_after=retry_after, dead_letter=dead_letter)
-
-    async def confirmed(self) -> None:
-        """Wait until the sidecar confirms this message's ack as durable.
-
-        Raises NotConfirmed when that cannot happen any more (nacked, or the stream ended first).
-        Call it after ``ack()``; before, it waits for an ack that someone else sends.
-        """
-        if self._is_confirmed:
-            return
-        if self._failure:
-            raise NotConfirmed(f"delivery {self.delivery_id}: {self._failure}")
-        # A waiter that was cancelled cancelled the future with it: start a fresh one.
-        if self._confirmation is None or self._confirmation.cancelled():
-            self._confirmation = asyncio.get_running_loop().create_future()
-        await self._confirmation
-
-    @property
-    def is_confirmed(self) -> bool:
-        return self._is_confirmed
-
-    def _mark_confirmed(self) -> None:
-        self._is_confirmed = True
-        if self._confirmation is not None and not self._confirmation.done():
-            self._confirmation.set_result(None)
-
-    def _fail_confirmation(self, reason: str) -> None:
-        if self._is_confirmed or self._failure:
-            return
-        self._failure = reason
-        # The future exists only if someone awaits it, so its exception is always retrieved.
-        if self._confirmation is not None and not self._confirmation.done():
-            self._confirmation.set_exception(NotConfirmed(f"delivery {self.delivery_id}: {reason}"))
-
-
-def _to_datetime(message: sidecar_pb2.OrderedMessage, field_name: str) -> datetime | None:
-    if not message.HasField(field_name):
-        return None
-    return getattr(message, field_name).ToDatetime(tzinfo=UTC)
-
-
-def _to_duration(retry_after: timedelta | float) -> duration_pb2.Duration:
-    seconds = retry_after.total_seconds() if isinstance(retry_after, timedelta) else float(retry_after)
-    if seconds < 0:
-        raise ValueError(f"retry_after must not be negative, got {retry_after!r}")
-    duration = duration_pb2.Duration()
-    duration.FromNanoseconds(round(seconds * 1e9))
-    return duration
 
 
 class OrderedSubscriber:
@@ -253,6 +100,8 @@ class OrderedSubscriber:
         self._confirmation_queues: list[asyncio.Queue[str | None]] = []
         self._recently_confirmed: OrderedDict[str, None] = OrderedDict()
         self._error: ClientError | None = None
+        self._outage: str | None = None
+        """Why the last attempts failed, while they keep failing (None once a stream delivers)."""
         self._closing = False
         self._closed = False
         self._task: asyncio.Task[None] | None = None
@@ -421,17 +270,12 @@ class OrderedSubscriber:
                     await self._read_stream(stream)
                     _LOGGER.info("sidecar ended the stream of %r; reconnecting", self.subscription)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in _RETRYABLE_CODES:
-                        self._error = SubscriptionError(self.subscription, exc.code(), exc.details() or "")
+                    code, details = exc.code(), one_line(exc.details() or "")
+                    if not is_transient(code):
+                        self._error = SubscriptionError(self.subscription, code, details, self.target)
                         _LOGGER.error("%s", self._error)
                         return
-                    _LOGGER.warning(
-                        "stream of %r to %s broke (%s: %s); reconnecting",
-                        self.subscription,
-                        self.target,
-                        exc.code().name,
-                        exc.details(),
-                    )
+                    self._note_outage(f"{code.name}: {details}")
                 except Exception as exc:
                     # A bug here must surface in the app's `async for`, not leave it waiting forever.
                     self._error = ClientError(f"subscriber for {self.subscription!r} stopped: {exc!r}")
@@ -449,6 +293,22 @@ class OrderedSubscriber:
         finally:
             if self._error is not None:
                 self._finish()
+
+    def _note_outage(self, reason: str) -> None:
+        """Log a transient failure: WARNING when an outage starts or its reason changes, else DEBUG.
+
+        A sidecar that is down or still recovering makes every attempt fail the same way; one line
+        says so, instead of one per attempt.
+        """
+        level = logging.DEBUG if reason == self._outage else logging.WARNING
+        _LOGGER.log(
+            level,
+            "sidecar at %s is not serving subscription %r (%s); retrying with backoff",
+            self.target,
+            self.subscription,
+            reason,
+        )
+        self._outage = reason
 
     def _backoff_delay(self, failures: int) -> float:
         ceiling = min(self._backoff_max, self._backoff_initial * (2 ** min(failures, 30)))
@@ -474,6 +334,9 @@ class OrderedSubscriber:
             self.connected.set()
             async for response in call:
                 stream.got_response = True
+                if self._outage is not None:
+                    _LOGGER.info("sidecar at %s serves subscription %r again", self.target, self.subscription)
+                    self._outage = None
                 self._on_response(stream, response)
 
     async def _requests(self, stream: _Stream) -> AsyncIterator[sidecar_pb2.SubscribeRequest]:
@@ -548,15 +411,3 @@ class OrderedSubscriber:
                 _LOGGER.exception("on_ack_confirmed callback failed for %s", delivery_id)
 
 
-async def get_status(
-    target: str, subscription: str = "", *, max_keys: int = 0, timeout_seconds: float = 10.0
-) -> sidecar_pb2.GetStatusResponse:
-    """Ask the sidecar at ``target`` for its backlog (all subscriptions when ``subscription`` is empty).
-
-    Raises grpc.aio.AioRpcError on failure (NOT_FOUND for an unknown subscription).
-    """
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = sidecar_pb2_grpc.OrderedDeliveryStub(channel)
-        return await stub.GetStatus(
-            sidecar_pb2.GetStatusRequest(subscription=subscription, max_keys=max_keys), timeout=timeout_seconds
-        )
