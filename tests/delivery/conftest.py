@@ -14,8 +14,10 @@ from sidecar.engine.types import EngineConfig
 async def make_harness() -> AsyncIterator[Callable[..., Harness]]:
     harnesses: list[Harness] = []
 
-    def make(configs: dict[str, EngineConfig] | None = None, listen: str = "127.0.0.1:0") -> Harness:
-        harness = Harness(configs or {"orders": sequence_config()}, listen)
+    def make(
+        configs: dict[str, EngineConfig] | None = None, listen: str = "127.0.0.1:0", max_held_bytes: int | None = None
+    ) -> Harness:
+        harness = Harness(configs or {"orders": sequence_config()}, listen, max_held_bytes)
         harnesses.append(harness)
         return harness
 

@@ -152,9 +152,12 @@ class Subscriber:
 class Harness:
     """Store, runtimes, server, channel: one sidecar delivery layer with no Pub/Sub or Firestore."""
 
-    def __init__(self, configs: dict[str, EngineConfig], listen: str = "127.0.0.1:0") -> None:
+    def __init__(
+        self, configs: dict[str, EngineConfig], listen: str = "127.0.0.1:0", max_held_bytes: int | None = None
+    ) -> None:
         self.configs = configs
         self.listen = listen
+        self.max_held_bytes = max_held_bytes
         self.store = MemoryStore()
         self.dead_letters = RecordingDeadLetters()
         self.runtimes: dict[str, SubscriptionRuntime] = {}
@@ -165,7 +168,9 @@ class Harness:
 
     async def start(self, *, serving: bool = True) -> Harness:
         for name, config in self.configs.items():
-            runtime = SubscriptionRuntime(name, config, self.store, self.dead_letters, id_prefix=f"{name}-")
+            runtime = SubscriptionRuntime(
+                name, config, self.store, self.dead_letters, id_prefix=f"{name}-", max_held_bytes=self.max_held_bytes
+            )
             await runtime.recover()
             await runtime.start()
             self.runtimes[name] = runtime

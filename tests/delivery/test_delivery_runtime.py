@@ -145,3 +145,22 @@ async def test_undelivered_counts_ready_and_in_flight_but_not_held(harness: Harn
     assert len(deliveries) == 1 and runtime.undelivered() == 2
     await asyncio.wait_for(runtime.ack("consumer", [deliveries[0].delivery_id]), 10)
     assert runtime.undelivered() == 1
+
+
+async def test_held_payloads_past_the_budget_stay_in_the_store_and_arrive_intact(
+    make_harness: Callable[..., Harness],
+) -> None:
+    harness = await make_harness(max_held_bytes=30).start()
+    runtime = harness.runtimes["orders"]
+    await harness.publish("orders", [("k", seq) for seq in range(2, 12)])  # all held: 1 is missing
+    # Each payload is 7 bytes (data "k:N" plus attribute "seq"="N"): 4 fit in the budget of 30.
+    assert (runtime.counters.payloads_stripped, runtime.held_bytes) == (6, 28)
+    subscriber = await harness.subscribe("orders", max_outstanding=100, auto_ack=True)
+    await harness.publish("orders", [("k", 1)])
+
+    await wait_until(lambda: len(subscriber.received) == 11, "every message after the gap filled")
+    assert [(m.sequence, m.data, dict(m.attributes)) for m in subscriber.received] == [
+        (seq, f"k:{seq}".encode(), {"seq": str(seq)}) for seq in range(1, 12)
+    ]
+    assert runtime.counters.payloads_read == runtime.counters.payloads_stripped
+    assert harness.store.calls["read_payloads"] >= 1

@@ -163,3 +163,58 @@ async def test_steady_state_cost_per_delivered_message(make_store, emulator):
     spent = {name: emulator.counters()[name] - before[name] for name in before}
     assert (spent["writes"] + spent["deletes"]) / delivered <= 2.2
     assert spent["reads"] / delivered <= 0.2
+
+
+async def test_load_keeps_payloads_within_the_budget_and_reads_the_rest_back(make_store, emulator):
+    store = make_store()
+    await _stored(store, [incoming("a", seq, data=bytes([seq]) * 1_000) for seq in range(2, 12)])  # held: 1 missing
+    restarted = make_store()
+    snapshot = await restarted.load("orders", 2000, None, 3_500)
+    kept = [m for m in snapshot.pending if not m.payload.stripped]
+    stripped = [m for m in snapshot.pending if m.payload.stripped]
+    assert len(kept) == 3 and len(stripped) == 7
+    assert all(m.payload.data == b"" and m.payload.attributes == {} for m in stripped)
+    before = emulator.counters()
+    loaded = await restarted.read_payloads("orders", stripped, 3000)
+    assert [m.payload.data for m in loaded] == [bytes([m.sequence]) * 1_000 for m in stripped]
+    assert all(not m.payload.stripped and m.payload.attributes == {"k": "a"} for m in loaded)
+    assert emulator.counters()["reads"] - before["reads"] == len(stripped)
+
+
+async def test_reading_back_a_payload_that_is_no_longer_pending_is_refused(make_store):
+    store = make_store()
+    (message,) = await _stored(store, [incoming("a", 1)])
+    await store.commit_acks("orders", [ack(message, 2)], 2000)
+    with pytest.raises(StoreRejected, match="not pending"):
+        await store.read_payloads("orders", [message], 3000)
+
+
+@pytest.mark.parametrize(
+    ("collection", "fields", "complaint"),
+    [
+        ("keys", {"next_seq": 3}, "cursor document keys/bad"),
+        ("keys", {"key": "a", "next_seq": "three"}, "expected an integer"),
+        ("keys", {"key": "a", "next_seq": 3, "v": 99}, "layout version 99 is newer"),
+        ("messages", {"key": "a", "seq": 1, "state": "pending"}, "message document bad"),
+        ("messages", {"state": "acked", "done_ms": 10**13, "v": 1}, "not a tombstone of ours"),
+    ],
+)
+async def test_a_malformed_or_newer_document_stops_recovery_naming_it(make_store, collection, fields, complaint):
+    store = make_store()
+    await store.load("orders", 1000)
+    client = client_of(store)
+    await client.document(f"{_ROOT}/{collection}/bad").set(fields)
+    with pytest.raises(StoreRejected, match="recovery of subscription 'orders' stopped") as caught:
+        await make_store().load("orders", 2000)
+    assert complaint in str(caught.value) and "\n" not in str(caught.value)
+
+
+async def test_cursor_documents_carry_no_ttl_and_a_layout_version(make_store):
+    store = make_store()
+    (message,) = await _stored(store, [incoming("a", 1)])
+    await store.commit_acks("orders", [ack(message, 2)], 2000)
+    await store.flush("orders")
+    (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
+    assert "expire_at" not in cursor and cursor["v"] == 1
+    (tombstone,) = (await documents(client_of(store), f"{_ROOT}/messages")).values()
+    assert tombstone["state"] == "acked" and "expire_at" in tombstone and "data" not in tombstone
