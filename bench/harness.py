@@ -340,7 +340,13 @@ class PubSub:
         self.subscriber.create_subscription(name=subscription, topic=topic, ack_deadline_seconds=60)
         return subscription
 
-    def publish(self, subscription: str, messages: Sequence[Outgoing], rate_per_second: float | None = None) -> float:
+    def publish(
+        self,
+        subscription: str,
+        messages: Sequence[Outgoing],
+        rate_per_second: float | None = None,
+        data_bytes: int = 0,
+    ) -> float:
         """Publish in order (the client batches), paced at ``rate_per_second`` if given; returns
         the wall-clock instant of the first publish once every message is accepted."""
         topic = subscription.replace("/subscriptions/", "/topics/")
@@ -359,6 +365,8 @@ class PubSub:
             attributes = message_attributes(message)
             attributes[TIMESTAMP_ATTRIBUTE] = first_published.setdefault(message, repr(time.time()))
             data = f"{message.key}#{message.sequence}".encode()
+            if len(data) < data_bytes:
+                data += b"." * (data_bytes - len(data))
             futures.append(self.publisher.publish(topic, data, **attributes))
         for future in futures:
             future.result(timeout=300)

@@ -69,12 +69,16 @@ class Sizes:
     latency_rate_per_second: float
     recovery_pending: int
     recovery_keys: int
+    held_messages: int = 200
+    """held-gap: 1 KB messages that pile up behind one key's gap."""
+    held_budget_mib: float = 0.05
+    """held-gap: ``flow_control.max_held_bytes`` in MiB."""
 
 
 SIZES: dict[str, Sizes] = {
-    "smoke": Sizes(200, 100, 200, 40, 100.0, 200, 20),
-    "quick": Sizes(3_000, 1_000, 3_000, 400, 200.0, 10_000, 1_000),
-    "full": Sizes(50_000, 10_000, 100_000, 3_000, 200.0, 100_000, 10_000),
+    "smoke": Sizes(200, 100, 200, 40, 100.0, 200, 20, 300, 0.1),
+    "quick": Sizes(3_000, 1_000, 3_000, 400, 200.0, 10_000, 1_000, 20_000, 5),
+    "full": Sizes(50_000, 10_000, 100_000, 3_000, 200.0, 100_000, 10_000, 200_000, 100),
 }
 
 
@@ -82,7 +86,7 @@ SIZES: dict[str, Sizes] = {
 class Scenario:
     name: str
     kind: str
-    """"baseline", "sidecar" or "recovery"."""
+    """"baseline", "sidecar", "recovery" or "held"."""
     mode: str = "sequence"
     keys: int = 100
     description: str = ""
@@ -98,6 +102,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("dedup-100keys", "sidecar", "none", 100, "dedup only (mode none), 100 keys"),
         Scenario("watermark-100keys", "sidecar", "watermark", 100, "watermark mode, 100 keys"),
         Scenario("recovery", "recovery", "sequence", 0, "start to /readyz with N pending"),
+        Scenario("held-gap", "held", "sequence", 1, "one key held behind a gap, then filled"),
     )
 }
 
@@ -178,6 +183,8 @@ class _App:
         self._subscriber = OrderedSubscriber(target, "bench")
         self.distinct: set[str] = set()
         self.redeliveries = 0
+        self.sequences: list[int] = []
+        """Sequence of every first delivery, in arrival order."""
         self.last_at = 0.0
         self.latencies: list[float] = []
         """Publish-to-app from the instant order allowed delivery (see ``_read``)."""
@@ -200,6 +207,7 @@ class _App:
                 self.redeliveries += 1
                 continue
             self.distinct.add(identity)
+            self.sequences.append(message.sequence)
             self.last_at = now
             if message.attributes.get("phase") == "latency":
                 published = float(message.attributes[TIMESTAMP_ATTRIBUTE])
@@ -274,6 +282,8 @@ class Runner:
             return await self._baseline(scenario)
         if scenario.kind == "sidecar":
             return await self._sidecar(scenario)
+        if scenario.kind == "held":
+            return await self._held(scenario)
         return await self._recovery(scenario)
 
     def _latency_stream(self, scenario: Scenario) -> tuple[list[Outgoing], int]:
@@ -374,6 +384,9 @@ class Runner:
             },
         )
 
+    async def _held(self, scenario: Scenario) -> Result:
+        return await _held_gap(self, scenario)
+
     async def _recovery(self, scenario: Scenario) -> Result:
         """Fill Firestore with N pending messages through a sidecar with no app, restart it and
         time start to /readyz (what a pod restart costs)."""
@@ -434,6 +447,73 @@ class Runner:
                 "cpu_seconds_start_to_ready": cpu_used,
             },
         )
+
+
+async def _held_gap(runner: Runner, scenario: Scenario) -> Result:
+    """One key: N 1 KB messages held behind a missing sequence 1, then 1 is published. Peak RSS must
+    stay within the held-bytes budget plus a fixed overhead, and all N+1 arrive in order."""
+    sizes = runner.sizes
+    count = sizes.held_messages
+    subscription = runner._new_subscription(scenario)
+    entry = _subscription_entry(scenario, subscription)
+    entry["flow_control"] = {"max_held_bytes": f"{sizes.held_budget_mib:g}MiB"}
+    config = write_sidecar_config(
+        runner.workdir / f"{scenario.name}.yaml",
+        root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
+        subscription=entry,
+    )
+    sidecar = Sidecar(config, runner.emulators.env)
+    sidecar.start()
+    app: _App | None = None
+    try:
+        await asyncio.to_thread(sidecar.wait_ready)
+        runner.emulators.reset_firestore_counters()
+        app = _App(sidecar.grpc)
+        app.start()
+        held = [Outgoing("held", seq, "throughput") for seq in range(2, count + 2)]
+        fill_started = time.monotonic()
+        await asyncio.to_thread(runner.pubsub.publish, subscription, held, None, 1_000)
+        await asyncio.to_thread(
+            wait_until,
+            lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= count,
+            _phase_timeout(count),
+            f"the sidecar to hold {count} messages",
+            0.5,
+        )
+        fill_seconds = time.monotonic() - fill_started
+        rss_held = peak_rss_mb(sidecar.pid)
+        if app.distinct:
+            raise BenchError(f"held-gap: {len(app.distinct)} messages were delivered past the gap")
+        drain_started = time.monotonic()
+        await asyncio.to_thread(runner.pubsub.publish, subscription, [Outgoing("held", 1, "throughput")], None, 1_000)
+        await app.wait_for(count + 1, _phase_timeout(count))
+        drain_seconds = time.monotonic() - drain_started
+        rss = peak_rss_mb(sidecar.pid)
+        in_order = app.sequences == list(range(1, count + 2))
+        counters = runner.emulators.firestore_counters()
+    finally:
+        if app is not None:
+            await app.stop()
+        await asyncio.to_thread(sidecar.stop)
+    if not in_order:
+        raise BenchError("held-gap: the messages did not arrive in order after the gap was filled")
+    return Result(
+        scenario.name,
+        f"{count:,} x 1 KB held behind a gap, budget {sizes.held_budget_mib:g} MiB",
+        messages=count + 1,
+        messages_per_second=(count + 1) / drain_seconds,
+        reads_per_message=counters["reads"] / (count + 1),
+        writes_deletes_per_message=(counters["writes"] + counters["deletes"]) / (count + 1),
+        peak_rss_mb=rss,
+        extra={
+            "held_budget_mib": sizes.held_budget_mib,
+            "peak_rss_mb_while_held": rss_held,
+            "fill_seconds": fill_seconds,
+            "drain_seconds": drain_seconds,
+            "in_order": in_order,
+            "firestore": counters,
+        },
+    )
 
 
 def _ms(seconds: float | None) -> float | None:
