@@ -198,6 +198,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "max_undelivered_messages": 10_000,
         "max_outstanding_messages": 1_000,
         "max_outstanding_bytes": 100 * 1024 * 1024,
+        "max_lease_extension_ms": 10_000,
     }
     assert sub.dead_letter_topic is None
     assert sub.engine_config() == EngineConfig(mode="none")
@@ -269,6 +270,14 @@ def test_flow_control_accepts_sizes_and_no_undelivered_limit() -> None:
     ).subscriptions[0]
     assert sub.flow_control.max_undelivered_messages is None
     assert sub.flow_control.max_outstanding_bytes == 10_000_000
+
+
+def test_lease_extension_takes_whole_seconds_in_pubsub_range_or_null() -> None:
+    def extension(value: Any) -> int | None:
+        sub = parse_config(minimal(flow_control={"max_lease_extension": value})).subscriptions[0]
+        return sub.flow_control.max_lease_extension_ms
+
+    assert (extension("10s"), extension("1m"), extension("10m"), extension(None)) == (10_000, 60_000, 600_000, None)
 
 
 def test_models_are_frozen() -> None:
@@ -403,6 +412,10 @@ BAD_INPUTS: list[tuple[str, Any, str, str]] = [
     ("port out of range", {**minimal(), "http": "127.0.0.1:70000"}, "http", "0..65535"),
     ("bad firestore root", {**minimal(), "firestore": {"root": "a/b"}}, "firestore.root", "collection id"),
     ("bad size", minimal(flow_control={"max_outstanding_bytes": "100 MiB"}), "subscriptions[0].flow_control.max_outstanding_bytes", "expected a size"),  # noqa: E501
+    ("lease extension too short", minimal(flow_control={"max_lease_extension": "5s"}), "subscriptions[0].flow_control.max_lease_extension", "between 10s and 600s"),  # noqa: E501
+    ("lease extension too long", minimal(flow_control={"max_lease_extension": "11m"}), "subscriptions[0].flow_control.max_lease_extension", "between 10s and 600s"),  # noqa: E501
+    ("lease extension fraction", minimal(flow_control={"max_lease_extension": "10500ms"}), "subscriptions[0].flow_control.max_lease_extension", "whole seconds"),  # noqa: E501
+    ("lease extension bare number", minimal(flow_control={"max_lease_extension": 10}), "subscriptions[0].flow_control.max_lease_extension", "unit"),  # noqa: E501
 ]
 
 
