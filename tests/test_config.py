@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -481,6 +482,62 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     binary.write_bytes(b"project: \xff\xfe\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(binary)
+
+
+def _billion_laughs() -> str:
+    """The classic alias bomb: 10 levels of 10 references, 10^10 values from half a kilobyte."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for level in range(1, 10):
+        refs = ",".join([f"*a{level - 1}"] * 10)
+        lines.append(f"a{level}: &a{level} [{refs}]")
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_FILES = [
+    # (id, file bytes, expected fragment of the one line)
+    ("nul byte", b"project: demo\x00\nsubscriptions: []\n", "line 1, column 14: invalid YAML: a NUL byte"),
+    ("control character", b"project: demo\n\x1b[31msubscriptions: []\n", "character #x001b is not allowed"),
+    ("alias bomb", _billion_laughs().encode(), "expands to more than 100,000 values through YAML aliases"),
+    ("deep flow nesting", b"project: " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested more than 64 levels"),
+    ("deep block nesting", "".join(f"{'  ' * i}k{i}:\n" for i in range(5_000)).encode(), "nested more than 64 levels"),
+    ("recursive alias", b"project: &p [*p]\n", "an alias refers to a node that contains it"),
+    ("bad tagged value", b"project: 2001-02-30\nsubscriptions: []\n", "invalid YAML value: day is out of range"),
+]
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [c[1:] for c in HOSTILE_FILES], ids=[c[0] for c in HOSTILE_FILES])
+def test_hostile_files_are_refused_quickly_with_one_line(tmp_path: Path, raw: bytes, fragment: str) -> None:
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(raw)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    elapsed = time.monotonic() - started
+    # Generous for a loaded machine; the alias bomb alone took 30 s and then ran out of memory.
+    assert elapsed < 2.0, f"took {elapsed:.1f}s"
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert fragment in message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_billion_laughs_is_small_and_ordinary_aliases_still_load(tmp_path: Path) -> None:
+    assert len(_billion_laughs()) < 2048
+    text = """\
+project: demo
+subscriptions:
+  - name: a
+    subscription: a-sub
+    ordering: {mode: none}
+    delivery: &delivery {max_delivery_attempts: 3, backoff: {initial: 2s, maximum: 1m}}
+  - name: b
+    subscription: b-sub
+    ordering: {mode: none}
+    delivery: *delivery
+"""
+    config = load_config(write(tmp_path, text), env={})
+    assert config.subscriptions[0].delivery == config.subscriptions[1].delivery
+    assert config.subscriptions[1].delivery.max_delivery_attempts == 3
 
 
 def test_config_error_exit_prints_one_line_and_returns_2(tmp_path: Path) -> None:
