@@ -312,6 +312,10 @@ class SidecarProcess:
     def returncode(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
 
+    def output_lines(self) -> list[str]:
+        """Every line the process wrote to stdout and stderr so far (both go to one pipe)."""
+        return self._out.snapshot() if self._out is not None else []
+
     def output_tail(self, n: int = 60) -> str:
         return self._out.tail(n) if self._out is not None else ""
 

@@ -31,7 +31,9 @@ SLOW_ACK_SECONDS = 16.0
 past the cap, so the test fails without it."""
 
 HOLD_PERSIST_SECONDS = 300.0
-"""Firestore delay that keeps the victims unpersisted until the kill, whatever the machine's load."""
+"""Firestore delay that keeps the victims unpersisted until the kill. Past the store's 30 s RPC
+timeout a persist fails and its messages are nacked and pulled again (fresh leases); the poll below
+then simply waits for those."""
 
 REDELIVERY_BOUND_SECONDS = 40.0
 """Kill to redelivered-to-the-app: the lease (10 s) plus a restart on two loaded cores; an
