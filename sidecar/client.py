@@ -195,7 +195,8 @@ class Message:
 def _to_datetime(message: sidecar_pb2.OrderedMessage, field_name: str) -> datetime | None:
     if not message.HasField(field_name):
         return None
-    return getattr(message, field_name).ToDatetime(tzinfo=UTC)
+    moment: datetime = getattr(message, field_name).ToDatetime(tzinfo=UTC)
+    return moment
 
 
 def _to_duration(retry_after: timedelta | float) -> duration_pb2.Duration:
@@ -451,7 +452,7 @@ class OrderedSubscriber:
                 self._finish()
 
     def _backoff_delay(self, failures: int) -> float:
-        ceiling = min(self._backoff_max, self._backoff_initial * (2 ** min(failures, 30)))
+        ceiling = min(self._backoff_max, self._backoff_initial * (1 << min(failures, 30)))
         # "Equal jitter": at least half the ceiling, so reconnects never spin, spread over the rest.
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
@@ -557,6 +558,7 @@ async def get_status(
     """
     async with grpc.aio.insecure_channel(target) as channel:
         stub = sidecar_pb2_grpc.OrderedDeliveryStub(channel)
-        return await stub.GetStatus(
+        response: sidecar_pb2.GetStatusResponse = await stub.GetStatus(
             sidecar_pb2.GetStatusRequest(subscription=subscription, max_keys=max_keys), timeout=timeout_seconds
         )
+        return response

@@ -33,7 +33,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import field_validator as _field_validator
 from pydantic_core import PydanticCustomError
 
-from sidecar.config_errors import ConfigError, Lines, describe, format_loc, line_of, read_yaml_file, type_name
+from sidecar.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
+from sidecar.config_errors import Lines, describe, format_loc, line_of, read_yaml_file, type_name
 from sidecar.durations import parse_byte_size, parse_duration_ms, parse_optional_duration_ms
 from sidecar.engine.types import EngineConfig
 
@@ -247,7 +248,7 @@ _ORDERING_BY_MODE: dict[str, type[_Model]] = {
 class DedupConfig(_Model):
     """``{by: message_id}`` (default) or ``{attribute: NAME}`` (``by: attribute`` optional)."""
 
-    by: Literal["message_id", "attribute"]
+    by: Literal["message_id", "attribute"] = "message_id"
     attribute: AttributeName | None = None
     ttl_ms: PositiveDurationMs = Field(7 * 24 * 3600 * 1000, alias="ttl")
     memory_max_entries: int = Field(200_000, ge=0)

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -249,7 +249,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             raise SubscriptionUnavailable(runtime.unavailable_reason())
         return _Stream(runtime, requested or self._default_max_outstanding, runtime.ack_deadline_ms)
 
-    async def _send(self, stream: _Stream) -> AsyncIterator[sidecar_pb2.SubscribeResponse]:
+    async def _send(self, stream: _Stream) -> AsyncGenerator[sidecar_pb2.SubscribeResponse, None]:
         """The sender: takes what the budget allows, sends it with pending confirmations, waits."""
         runtime = stream.runtime
         while True:

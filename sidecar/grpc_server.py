@@ -144,7 +144,7 @@ def _bind(server: grpc.aio.Server, listen: str) -> str:
 
 def _add_port(server: grpc.aio.Server, address: str) -> int:
     try:
-        port = server.add_insecure_port(address)
+        port: int = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise ListenError(f"cannot listen on {address}: {exc}") from exc
     if port == 0 and not address.startswith(_UNIX_PREFIX):

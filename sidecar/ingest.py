@@ -732,7 +732,8 @@ def _publish_time_ms(message: PubsubMessage) -> int:
     publish_time = message.publish_time
     if publish_time.tzinfo is None:
         publish_time = publish_time.replace(tzinfo=datetime.UTC)
-    return (publish_time - _EPOCH) // _ONE_MS
+    milliseconds: int = (publish_time - _EPOCH) // _ONE_MS
+    return milliseconds
 
 
 def _describe_seconds(seconds: float) -> str:
