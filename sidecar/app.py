@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar.config import ConfigError, SidecarConfig, SubscriptionConfig, config_error_exit, load_config
 from sidecar.deadletter import DeadLetterPublisher
@@ -76,7 +77,7 @@ class Sidecar:
     metrics: Metrics = field(default_factory=Metrics)
     failure: BaseException | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
-    _watchers: dict[asyncio.Future[object], str] = field(default_factory=dict)
+    _watchers: dict[asyncio.Future[Any], str] = field(default_factory=dict)
     """Long-running tasks of the components (ingest, watermark, runtime): one ending means failure."""
 
     def request_stop(self) -> None:
@@ -103,8 +104,8 @@ class Sidecar:
             finally:
                 readiness.mark_shutting_down()
                 errors = await _shutdown(subs, grpc_server, http, self.grace_seconds, stopped)
-                for step, exc in errors:
-                    _LOGGER.error("shutdown step %s failed: %r", step, exc)
+                for step, step_error in errors:
+                    _LOGGER.error("shutdown step %s failed: %r", step, step_error)
                 await _collect(self._watchers)
                 _LOGGER.info("sidecar stopped (%s)", ", ".join(stopped))
 
@@ -215,7 +216,7 @@ def _stuck(subs: dict[str, _Subscription]) -> str | None:
     return None
 
 
-async def _collect(watchers: dict[asyncio.Future[object], str]) -> None:
+async def _collect(watchers: dict[asyncio.Future[Any], str]) -> None:
     """After shutdown: the components' tasks have ended (stop() ends them); cancel any that did not,
     and retrieve every outcome so that none is reported as "never retrieved"."""
     for task in watchers:

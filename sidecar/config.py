@@ -33,7 +33,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import field_validator as _field_validator
 from pydantic_core import PydanticCustomError
 
-from sidecar.config_errors import ConfigError, Lines, describe, format_loc, line_of, read_yaml_file, type_name
+from sidecar.config_errors import ConfigError as ConfigError  # re-exported: callers catch it from here
+from sidecar.config_errors import Lines, describe, format_loc, line_of, read_yaml_file, type_name
 from sidecar.durations import parse_byte_size, parse_duration_ms, parse_optional_duration_ms
 from sidecar.engine.types import EngineConfig
 
@@ -247,7 +248,7 @@ _ORDERING_BY_MODE: dict[str, type[_Model]] = {
 class DedupConfig(_Model):
     """``{by: message_id}`` (default) or ``{attribute: NAME}`` (``by: attribute`` optional)."""
 
-    by: Literal["message_id", "attribute"]
+    by: Literal["message_id", "attribute"] = "message_id"
     attribute: AttributeName | None = None
     ttl_ms: PositiveDurationMs = Field(7 * 24 * 3600 * 1000, alias="ttl")
     memory_max_entries: int = Field(200_000, ge=0)
@@ -287,6 +288,11 @@ class DeliveryConfig(_Model):
     on_dead_letter: Literal["block", "skip"] = "block"
 
 
+MIN_LEASE_EXTENSION_MS = 10_000
+MAX_LEASE_EXTENSION_MS = 600_000
+"""Pub/Sub's range for an ack deadline; the client silently clamps a lease extension into it."""
+
+
 class FlowControlConfig(_Model):
     max_undelivered_messages: Annotated[int, Field(ge=1)] | None = 10_000
     """Stop persisting new messages while more than this many are releasable or in flight to the
@@ -294,6 +300,22 @@ class FlowControlConfig(_Model):
     max_outstanding_messages: int = Field(1_000, ge=1)
     """The Pub/Sub client's flow control: messages received and not yet acked or nacked."""
     max_outstanding_bytes: ByteSize = 100 * 1024 * 1024
+    max_lease_extension_ms: OptionalPositiveDurationMs = Field(10_000, alias="max_lease_extension")
+    """The longest single lease extension the Pub/Sub client asks for (its
+    ``max_duration_per_lease_extension``), and so the longest a crash of this process hides a
+    message it had pulled but not yet persisted. null: the client's own default, unbounded (up to
+    600 s; see docs/ingest.md)."""
+
+    @_field_validator("max_lease_extension_ms")
+    @classmethod
+    def _lease_extension_in_range(cls, value: int | None) -> int | None:
+        if value is None:
+            return value
+        if not MIN_LEASE_EXTENSION_MS <= value <= MAX_LEASE_EXTENSION_MS:
+            raise ValueError("must be between 10s and 600s (Pub/Sub's ack deadline range), or null")
+        if value % 1000:
+            raise ValueError("must be whole seconds (Pub/Sub ack deadlines are in seconds)")
+        return value
     max_held_bytes: ByteSize = 64 * 1024 * 1024
     """Payload bytes kept in memory for messages held for ordering (behind a gap, above the
     watermark). Past it a held message keeps only its metadata in memory, and its payload is read

@@ -53,19 +53,70 @@ def read_yaml_file(path: str | Path) -> tuple[Any, dict[tuple[Any, ...], int]]:
     return _parse_yaml(file, text)
 
 
+MAX_YAML_DEPTH = 64
+"""Nesting a config file may have. Ours is 6 levels deep; composing and reading the document
+recurse per level, so 100,000 levels would end in RecursionError instead of a clear line."""
+
+MAX_YAML_VALUES = 100_000
+"""Values (scalars, lists, mappings) the document may hold once its aliases are expanded. A
+thousand subscriptions fit many times over; a 1.6 KB "billion laughs" alias bomb expands to 10^9
+and would take minutes and all memory before failing."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses nesting deeper than ``MAX_YAML_DEPTH`` while composing."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
+                raise yaml.MarkedYAMLError(
+                    problem=f"nested more than {MAX_YAML_DEPTH} levels deep", problem_mark=mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _parse_yaml(file: str, text: str) -> tuple[Any, dict[tuple[Any, ...], int]]:
     """The document plus the 1-based line of every mapping key (by path), for error messages.
 
     Duplicate keys are an error: PyYAML would silently keep the last one, hiding half a section.
+    Depth and alias expansion are bounded before anything walks the document path by path.
     """
-    loader = yaml.SafeLoader(text)
+    loader: _BoundedLoader | None = None
     try:
+        # The reader checks the characters here (a NUL byte, other control characters).
+        loader = _BoundedLoader(text)
         node = loader.get_single_node()
         if node is None:
             return None, {}
+        if _expanded_values(node, {}, set()) > MAX_YAML_VALUES:
+            raise ConfigError(
+                file,
+                "",
+                f"the document expands to more than {MAX_YAML_VALUES:,} values through YAML aliases "
+                "(an alias bomb?); write the values out",
+            )
         lines: dict[tuple[Any, ...], int] = {}
         _index_node(file, node, (), lines)
-        return loader.construct_document(node), lines
+        try:
+            return loader.construct_document(node), lines
+        except yaml.YAMLError:
+            raise
+        except Exception as exc:  # PyYAML's constructors raise ValueError & co. on bad tagged values
+            raise ConfigError(file, "", f"invalid YAML value: {exc}") from None
+    except yaml.reader.ReaderError as exc:
+        line, column = _line_column(text, exc.position)
+        what = "a NUL byte" if exc.character in (0, "\x00") else f"character #x{_code(exc.character):04x}"
+        raise ConfigError(
+            file, f"line {line}, column {column}", f"invalid YAML: {what} is not allowed in a YAML file"
+        ) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -74,7 +125,39 @@ def _parse_yaml(file: str, text: str) -> tuple[Any, dict[tuple[Any, ...], int]]:
     except yaml.YAMLError as exc:
         raise ConfigError(file, "", f"invalid YAML: {exc}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _expanded_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values ``node`` stands for with every alias expanded (shared nodes counted once
+    per use, computed once each); a node that contains itself is refused."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise yaml.MarkedYAMLError(problem="an alias refers to a node that contains it", problem_mark=node.start_mark)
+    open_nodes.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            total += _expanded_values(item, sizes, open_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            total += _expanded_values(key_node, sizes, open_nodes) + _expanded_values(value_node, sizes, open_nodes)
+    open_nodes.discard(key)
+    # Saturate: the caller only compares with the limit, and 9^9-sized sums stay cheap this way.
+    sizes[key] = min(total, MAX_YAML_VALUES + 1)
+    return sizes[key]
+
+
+def _line_column(text: str, position: int) -> tuple[int, int]:
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
+
+
+def _code(character: Any) -> int:
+    return ord(character) if isinstance(character, str) else int(character)
 
 
 def _index_node(file: str, node: yaml.Node, path: tuple[Any, ...], lines: dict[tuple[Any, ...], int]) -> None:

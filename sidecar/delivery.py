@@ -26,17 +26,21 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
+from sidecar.delivery_handlers import Undecodable
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
 from sidecar.runtime import AckTicket, SubscriptionRuntime, SubscriptionUnavailable
 
 _LOGGER = logging.getLogger(__name__)
+
+_M = TypeVar("_M", sidecar_pb2.SubscribeRequest, sidecar_pb2.GetStatusRequest)
 
 DEFAULT_MAX_OUTSTANDING = 1000
 """Pub/Sub's own client default: enough to keep 1,000 keys busy with one message each."""
@@ -53,7 +57,25 @@ _MAX_RESPONSE_BYTES = 3 * 1024 * 1024
 _MESSAGE_OVERHEAD_BYTES = 96
 """Rough protobuf framing per OrderedMessage (tags, lengths, timestamps, attempt, flags)."""
 
+_MAX_ECHO_CHARS = 100
+"""Client input quoted in an error message is cut to this. The message travels in a header, and
+clients refuse headers above 8-16 KiB: a 1 MB subscription name echoed whole would reach the
+client as RESOURCE_EXHAUSTED instead of NOT_FOUND."""
+
 _consumer_ids = itertools.count(1)
+
+
+def _quote(value: str) -> str:
+    """``repr(value)``, cut short with its full size when longer than ``_MAX_ECHO_CHARS``."""
+    if len(value) <= _MAX_ECHO_CHARS:
+        return repr(value)
+    return f"{value[:_MAX_ECHO_CHARS]!r}... ({len(value.encode())} bytes)"
+
+
+def _decoded(request: _M | Undecodable) -> _M:
+    if isinstance(request, Undecodable):
+        raise BadRequest(request.describe())
+    return request
 
 
 class BadRequest(ValueError):
@@ -180,7 +202,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             first = await anext(requests, None)
             if first is None:
                 return  # the client closed without opening: nothing to do
-            stream = self._open(first)
+            stream = self._open(_decoded(first))
         except Exception as exc:
             await self._abort(context, exc)
             return
@@ -227,7 +249,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             raise SubscriptionUnavailable(runtime.unavailable_reason())
         return _Stream(runtime, requested or self._default_max_outstanding, runtime.ack_deadline_ms)
 
-    async def _send(self, stream: _Stream) -> AsyncIterator[sidecar_pb2.SubscribeResponse]:
+    async def _send(self, stream: _Stream) -> AsyncGenerator[sidecar_pb2.SubscribeResponse, None]:
         """The sender: takes what the budget allows, sends it with pending confirmations, waits."""
         runtime = stream.runtime
         while True:
@@ -270,7 +292,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
     async def _read(self, stream: _Stream, requests: AsyncIterator[sidecar_pb2.SubscribeRequest]) -> None:
         """The reader: applies acks and nacks as they arrive; never waits for a commit."""
         try:
-            async for request in requests:
+            async for received in requests:
+                request = _decoded(received)
                 kind = request.WhichOneof("request")
                 if kind == "ack":
                     self._on_ack(stream, list(request.ack.delivery_ids))
@@ -325,6 +348,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         self, request: sidecar_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.GetStatusResponse:
         try:
+            request = _decoded(request)
             if request.max_keys < 0:
                 raise BadRequest(f"max_keys must be >= 0, got {request.max_keys}")
             max_keys = min(request.max_keys, MAX_STATUS_KEYS)
@@ -349,7 +373,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             raise BadRequest(f"{field} is required: the subscription `name` from the config (one of: {known})")
         runtime = self._runtimes.get(name)
         if runtime is None:
-            raise UnknownSubscription(f"unknown subscription {name!r}; this sidecar serves: {known}")
+            raise UnknownSubscription(f"unknown subscription {_quote(name)}; this sidecar serves: {known}")
         return runtime
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -75,7 +75,7 @@ class OrderEvent:
 
 def plan_orders(count: int, rng: random.Random) -> list[OrderEvent]:
     """Each order's events in their true order; about one order in five is cancelled."""
-    events = []
+    events: list[OrderEvent] = []
     for n in range(1, count + 1):
         order_id = f"order-{n:03d}"
         steps = _CANCELLED if rng.random() < 0.2 else _HAPPY_PATH

@@ -7,6 +7,7 @@ role of the *publisher* and of the operator who creates the subscription, not of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
@@ -39,8 +40,11 @@ class DemoPubSub:
     def publish_all(self, topic: str, messages: Sequence[tuple[bytes, dict[str, str]]]) -> list[str]:
         """Publish with the client's batching; returns the message ids once all are accepted."""
         path = self._publisher.topic_path(self._project, topic)
-        futures = [self._publisher.publish(path, data, **attributes) for data, attributes in messages]
-        return [future.result(timeout=_PUBLISH_TIMEOUT_SECONDS) for future in futures]
+        # Attributes go in as keyword arguments; typed as Any so that none can be mistaken for the
+        # client's own retry/timeout keywords (the demo's attribute names are order_id and seq).
+        publish: Any = self._publisher.publish
+        futures = [publish(path, data, **attributes) for data, attributes in messages]
+        return [str(future.result(timeout=_PUBLISH_TIMEOUT_SECONDS)) for future in futures]
 
     def close(self) -> None:
         self._subscriber.close()

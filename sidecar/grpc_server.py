@@ -21,13 +21,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery import OrderedDeliveryServicer
+from sidecar.delivery_handlers import SERVICE_NAME, ordered_delivery_handler
 from sidecar.runtime import SubscriptionRuntime
 
 _LOGGER = logging.getLogger(__name__)
-
-SERVICE_NAME = sidecar_pb2.DESCRIPTOR.services_by_name["OrderedDelivery"].full_name
 
 _SERVER_OPTIONS: list[tuple[str, int]] = [
     # Ping idle clients so that a vanished app (pod network gone, process frozen) ends its streams
@@ -73,7 +71,9 @@ class GrpcServer:
         for name in ["", SERVICE_NAME, *self._runtimes]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         server = grpc.aio.server(options=_SERVER_OPTIONS)
-        sidecar_pb2_grpc.add_OrderedDeliveryServicer_to_server(self.servicer, server)
+        # Not the generated add_OrderedDeliveryServicer_to_server: ours refuses undecodable requests
+        # with INVALID_ARGUMENT instead of failing inside grpc (sidecar.delivery_handlers).
+        server.add_generic_rpc_handlers((ordered_delivery_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -144,7 +144,7 @@ def _bind(server: grpc.aio.Server, listen: str) -> str:
 
 def _add_port(server: grpc.aio.Server, address: str) -> int:
     try:
-        port = server.add_insecure_port(address)
+        port: int = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise ListenError(f"cannot listen on {address}: {exc}") from exc
     if port == 0 and not address.startswith(_UNIX_PREFIX):

@@ -53,6 +53,8 @@ import collections
 import datetime
 import logging
 import random
+import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +112,14 @@ _MAX_IDS_PER_MODACK = 1000
 
 _PULL_SHUTDOWN_SECONDS = 10.0
 """How long ``stop()`` waits for the client to shut the stream down and flush its acks and nacks."""
+
+_STREAM_THREAD_EXIT_SECONDS = 2.0
+"""How long ``stop()`` then waits for the client's stream thread to end before closing the client.
+It ends within a second unless it is inside a retried attempt to reopen a failing stream (retries
+sleep up to 60 s): closing the channel under it would make it fail with a traceback."""
+
+_STREAM_THREAD_NAME = "Thread-ConsumeBidirectionalStream"
+"""The name google-api-core gives the thread that reads a StreamingPull stream (``bidi.py``)."""
 
 
 class IngestError(Exception):
@@ -189,6 +199,12 @@ class Ingestor:
             max_messages=flow.max_outstanding_messages,
             max_bytes=flow.max_outstanding_bytes,
             max_lease_duration=max_lease_duration_seconds,
+            # Caps every lease extension, the receipt modack and the stream ack deadline alike, so
+            # a message this process pulled is redelivered at most this long after a crash (without
+            # it the client stretches extensions to the 99th percentile of its ack times, up to
+            # 600 s, once persists were slow). 0 leaves it to the client (docs/ingest.md). An int:
+            # the client copies it into int32 request fields, and a float fails every request.
+            max_duration_per_lease_extension=(flow.max_lease_extension_ms or 0) // 1000,
         )
         self._max_batch_messages = max_batch_messages
         self._max_batch_bytes = max_batch_bytes
@@ -202,6 +218,7 @@ class Ingestor:
         self.counters = IngestCounters()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pull: StreamingPullFuture | None = None
+        self._stream_threads: list[threading.Thread] = []
         self._pull_done: asyncio.Future[Any] | None = None
         """``_pull`` as an asyncio future; it ends cancelled after our own ``_pull.cancel()``."""
         self._worker: asyncio.Task[None] | None = None
@@ -256,6 +273,7 @@ class Ingestor:
             # Made here, not at import: it reads PUBSUB_EMULATOR_HOST at construction.
             self._subscriber = pubsub_v1.SubscriberClient()
         self._worker = asyncio.create_task(self._batch_loop(), name=f"ingest:{self.name}")
+        threads_before = set(threading.enumerate())
         self._pull = self._subscriber.subscribe(
             self.subscription_path,
             callback=self._callback,
@@ -264,13 +282,19 @@ class Ingestor:
             # every message handed to us has reached _on_message (stop() gives them all back).
             await_callbacks_on_shutdown=True,
         )
+        # subscribe() starts the stream's reader thread before it returns: the one new thread of that
+        # name is ours. stop() closes the client only once that thread ended.
+        self._stream_threads = [
+            t for t in threading.enumerate() if t not in threads_before and t.name == _STREAM_THREAD_NAME
+        ]
         self._pull_done = asyncio.wrap_future(self._pull)
         _LOGGER.info(
-            "ingest of %s started on %s (max outstanding %d messages, max undelivered %s)",
+            "ingest of %s started on %s (max outstanding %d messages, max undelivered %s, max lease extension %s)",
             self.name,
             self.subscription_path,
             self._flow_control.max_messages,
             self._max_undelivered,
+            _describe_seconds(self._flow_control.max_duration_per_lease_extension),
         )
 
     async def run(self) -> None:
@@ -331,12 +355,28 @@ class Ingestor:
                 self._pull_done.exception()  # retrieved: a failure was reported by run() already
         await self._give_back()
         if self._owns_subscriber and self._subscriber is not None:
-            try:
-                self._subscriber.close()
-            except Exception as exc:
-                errors.append(exc)
+            if await self._stream_threads_ended(_STREAM_THREAD_EXIT_SECONDS):
+                try:
+                    self._subscriber.close()
+                except Exception as exc:
+                    errors.append(exc)
+            else:
+                # Its channel stays open: closed under the thread's retry, the next attempt would fail
+                # with "Cannot invoke RPC: Channel closed!". The thread is a daemon and ends with the
+                # process, which is what a stop is followed by.
+                _LOGGER.warning(
+                    "ingest of %s: the Pub/Sub stream thread is still retrying to reopen the stream; "
+                    "leaving its client open",
+                    self.name,
+                )
         if errors:
             raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]
+
+    async def _stream_threads_ended(self, timeout_seconds: float) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        for thread in self._stream_threads:
+            await asyncio.to_thread(thread.join, max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._stream_threads)
 
     async def ping(self, timeout_seconds: float = 5.0) -> bool:
         """True if Pub/Sub answers for this subscription now (GetSubscription); for readiness checks."""
@@ -697,7 +737,12 @@ def _publish_time_ms(message: PubsubMessage) -> int:
     publish_time = message.publish_time
     if publish_time.tzinfo is None:
         publish_time = publish_time.replace(tzinfo=datetime.UTC)
-    return (publish_time - _EPOCH) // _ONE_MS
+    milliseconds: int = (publish_time - _EPOCH) // _ONE_MS
+    return milliseconds
+
+
+def _describe_seconds(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds else "unbounded"
 
 
 def _describe(exc: BaseException) -> str:

@@ -19,6 +19,11 @@ summary) stays clean: ``<time> <LEVEL> <logger>: <message> [k=v ...]`` plus the 
 
 ``setup_logging`` replaces the handler it installed earlier, so calling it twice (tests, a
 subcommand that reconfigures) never duplicates lines.
+
+Nothing else writes to stdout or stderr: the Google libraries' loggers propagate to this handler
+(``google.api_core`` otherwise cuts the ``google`` logger off from the root when the first client is
+built, and its warnings then reach stderr as bare text through logging's last resort), warnings go
+through logging, and an exception that ends a thread is logged instead of printed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import datetime
 import json
 import logging
 import sys
+import threading
 from typing import Any, Literal, TextIO
 
 LogFormat = Literal["json", "text"]
@@ -159,4 +165,27 @@ def setup_logging(fmt: LogFormat, level: str | int = "INFO", stream: TextIO | No
     setattr(handler, _HANDLER_MARK, True)
     root.addHandler(handler)
     root.setLevel(levelno)
+    _route_everything_through(root)
     return handler
+
+
+_GOOGLE_LOGGER = "google"
+"""google-api-core's ``client_logging.initialize_logging`` (run when a client is built) sets this
+logger's ``propagate`` to False unless it is already configured; a level counts as configured, and
+``propagate`` is set back in case a client was built first."""
+
+
+def _route_everything_through(root: logging.Logger) -> None:
+    google = logging.getLogger(_GOOGLE_LOGGER)
+    google.propagate = True
+    google.setLevel(root.level)
+    logging.captureWarnings(True)
+    threading.excepthook = _log_thread_exception
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    exc_info = (args.exc_type, args.exc_value, args.exc_traceback)
+    logging.getLogger(__name__).error("uncaught exception in %s", name, exc_info=exc_info)  # type: ignore[arg-type]

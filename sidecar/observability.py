@@ -95,10 +95,10 @@ class SidecarCollector(Collector):
             ),
         }
         for name, (attr, doc) in gauges.items():
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
             for snap in snapshots:
-                family.add_metric([snap.subscription], getattr(snap, attr))
-            yield family
+                gauge.add_metric([snap.subscription], getattr(snap, attr))
+            yield gauge
         lag = GaugeMetricFamily(
             f"{PREFIX}_watermark_lag_seconds", "Now minus the watermark (watermark mode).", labels=["subscription"]
         )

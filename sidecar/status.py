@@ -57,14 +57,16 @@ def _timestamp(holder: Any, field_name: str) -> datetime | None:
     """A Timestamp field as an aware UTC datetime, or None when the field is unset."""
     if not holder.HasField(field_name):
         return None
-    return getattr(holder, field_name).ToDatetime(tzinfo=UTC)
+    moment: datetime = getattr(holder, field_name).ToDatetime(tzinfo=UTC)
+    return moment
 
 
 def _seconds(holder: Any, field_name: str) -> float | None:
     """A Duration field in seconds, or None when the field is unset."""
     if not holder.HasField(field_name):
         return None
-    return getattr(holder, field_name).ToNanoseconds() / 1e9
+    nanoseconds: int = getattr(holder, field_name).ToNanoseconds()
+    return nanoseconds / 1e9
 
 
 def _optional_int(holder: Any, field_name: str) -> int | None:

@@ -312,7 +312,7 @@ class WatermarkSource:
             await asyncio.wait({task})
         client, self._client = self._client, None
         if client is not None:
-            await client.transport.close()
+            await client.transport.close()  # type: ignore[no-untyped-call]  # untyped in the GAPIC transport
 
 
 def _points_of(page: object) -> list[MetricPoint]:

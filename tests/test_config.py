@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "max_undelivered_messages": 10_000,
         "max_outstanding_messages": 1_000,
         "max_outstanding_bytes": 100 * 1024 * 1024,
+        "max_lease_extension_ms": 10_000,
         "max_held_bytes": 64 * 1024 * 1024,
     }
     assert sub.dead_letter_topic is None
@@ -270,6 +272,14 @@ def test_flow_control_accepts_sizes_and_no_undelivered_limit() -> None:
     ).subscriptions[0]
     assert sub.flow_control.max_undelivered_messages is None
     assert sub.flow_control.max_outstanding_bytes == 10_000_000
+
+
+def test_lease_extension_takes_whole_seconds_in_pubsub_range_or_null() -> None:
+    def extension(value: Any) -> int | None:
+        sub = parse_config(minimal(flow_control={"max_lease_extension": value})).subscriptions[0]
+        return sub.flow_control.max_lease_extension_ms
+
+    assert (extension("10s"), extension("1m"), extension("10m"), extension(None)) == (10_000, 60_000, 600_000, None)
 
 
 def test_models_are_frozen() -> None:
@@ -404,6 +414,10 @@ BAD_INPUTS: list[tuple[str, Any, str, str]] = [
     ("port out of range", {**minimal(), "http": "127.0.0.1:70000"}, "http", "0..65535"),
     ("bad firestore root", {**minimal(), "firestore": {"root": "a/b"}}, "firestore.root", "collection id"),
     ("bad size", minimal(flow_control={"max_outstanding_bytes": "100 MiB"}), "subscriptions[0].flow_control.max_outstanding_bytes", "expected a size"),  # noqa: E501
+    ("lease extension too short", minimal(flow_control={"max_lease_extension": "5s"}), "subscriptions[0].flow_control.max_lease_extension", "between 10s and 600s"),  # noqa: E501
+    ("lease extension too long", minimal(flow_control={"max_lease_extension": "11m"}), "subscriptions[0].flow_control.max_lease_extension", "between 10s and 600s"),  # noqa: E501
+    ("lease extension fraction", minimal(flow_control={"max_lease_extension": "10500ms"}), "subscriptions[0].flow_control.max_lease_extension", "whole seconds"),  # noqa: E501
+    ("lease extension bare number", minimal(flow_control={"max_lease_extension": 10}), "subscriptions[0].flow_control.max_lease_extension", "unit"),  # noqa: E501
 ]
 
 
@@ -469,6 +483,62 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     binary.write_bytes(b"project: \xff\xfe\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(binary)
+
+
+def _billion_laughs() -> str:
+    """The classic alias bomb: 10 levels of 10 references, 10^10 values from half a kilobyte."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for level in range(1, 10):
+        refs = ",".join([f"*a{level - 1}"] * 10)
+        lines.append(f"a{level}: &a{level} [{refs}]")
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_FILES = [
+    # (id, file bytes, expected fragment of the one line)
+    ("nul byte", b"project: demo\x00\nsubscriptions: []\n", "line 1, column 14: invalid YAML: a NUL byte"),
+    ("control character", b"project: demo\n\x1b[31msubscriptions: []\n", "character #x001b is not allowed"),
+    ("alias bomb", _billion_laughs().encode(), "expands to more than 100,000 values through YAML aliases"),
+    ("deep flow nesting", b"project: " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested more than 64 levels"),
+    ("deep block nesting", "".join(f"{'  ' * i}k{i}:\n" for i in range(5_000)).encode(), "nested more than 64 levels"),
+    ("recursive alias", b"project: &p [*p]\n", "an alias refers to a node that contains it"),
+    ("bad tagged value", b"project: 2001-02-30\nsubscriptions: []\n", "invalid YAML value: day is out of range"),
+]
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [c[1:] for c in HOSTILE_FILES], ids=[c[0] for c in HOSTILE_FILES])
+def test_hostile_files_are_refused_quickly_with_one_line(tmp_path: Path, raw: bytes, fragment: str) -> None:
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(raw)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    elapsed = time.monotonic() - started
+    # Generous for a loaded machine; the alias bomb alone took 30 s and then ran out of memory.
+    assert elapsed < 2.0, f"took {elapsed:.1f}s"
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert fragment in message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_billion_laughs_is_small_and_ordinary_aliases_still_load(tmp_path: Path) -> None:
+    assert len(_billion_laughs()) < 2048
+    text = """\
+project: demo
+subscriptions:
+  - name: a
+    subscription: a-sub
+    ordering: {mode: none}
+    delivery: &delivery {max_delivery_attempts: 3, backoff: {initial: 2s, maximum: 1m}}
+  - name: b
+    subscription: b-sub
+    ordering: {mode: none}
+    delivery: *delivery
+"""
+    config = load_config(write(tmp_path, text), env={})
+    assert config.subscriptions[0].delivery == config.subscriptions[1].delivery
+    assert config.subscriptions[1].delivery.max_delivery_attempts == 3
 
 
 def test_config_error_exit_prints_one_line_and_returns_2(tmp_path: Path) -> None:

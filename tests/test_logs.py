@@ -6,10 +6,13 @@ import datetime
 import io
 import json
 import logging
+import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from google.api_core import client_logging
 
 from sidecar.logs import parse_level, setup_logging, severity
 
@@ -164,3 +167,51 @@ def test_bad_format_or_level_is_a_clear_error(restore_root_logger: None) -> None
         parse_level("LOUD")
     assert parse_level("warn") == logging.WARNING
     assert parse_level("15") == 15
+
+
+@pytest.fixture
+def restore_hooks() -> Iterator[None]:
+    google = logging.getLogger("google")
+    saved = (threading.excepthook, google.propagate, google.level)
+    # pytest restores warnings.showwarning after every test, while logging still believes it
+    # captures warnings from an earlier setup_logging: start from a clean state.
+    logging.captureWarnings(False)
+    yield
+    threading.excepthook, google.propagate, _ = saved
+    google.setLevel(saved[2])
+    logging.captureWarnings(False)
+
+
+def test_google_libraries_threads_and_warnings_log_json_lines(
+    restore_root_logger: None, restore_hooks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = io.StringIO()
+    setup_logging("json", "INFO", stream=stream)
+    # What building the first Google client does: google-api-core cuts "google" off from the root
+    # unless it is configured (here it is, so its warnings still reach the JSON handler).
+    monkeypatch.setattr(client_logging, "_LOGGING_INITIALIZED", False)
+    client_logging.initialize_logging()
+    assert logging.getLogger("google").propagate
+
+    logging.getLogger("google.api_core.bidi").warning("Background thread did not exit.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("an old api", DeprecationWarning, stacklevel=1)
+
+    def fail() -> None:
+        raise ValueError("Cannot invoke RPC: Channel closed!")
+
+    thread = threading.Thread(target=fail, name="Thread-ConsumeBidirectionalStream")
+    thread.start()
+    thread.join()
+
+    entries = lines_of(stream)  # every line parses, or this raises
+    assert [(e["severity"], e["logger"]) for e in entries] == [
+        ("WARNING", "google.api_core.bidi"),
+        ("WARNING", "py.warnings"),
+        ("ERROR", "sidecar.logs"),
+    ]
+    assert entries[0]["message"] == "Background thread did not exit."
+    assert "an old api" in entries[1]["message"]
+    assert entries[2]["message"] == "uncaught exception in Thread-ConsumeBidirectionalStream"
+    assert "ValueError: Cannot invoke RPC: Channel closed!" in entries[2]["stack_trace"]

@@ -93,7 +93,7 @@ class FaultInjector:
     seed: int | None = None
     _rules: list[FaultRule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _random: random.Random = field(init=False)
     stream_breakers: dict[str, Callable[[grpc.StatusCode], Awaitable[int]]] = field(default_factory=dict)
     """service -> coroutine that breaks that service's open streams with a code, returning how many."""
@@ -136,7 +136,7 @@ class FaultInjector:
         return 0 if breaker is None else await breaker(code)
 
 
-class FaultInterceptor(grpc.aio.ServerInterceptor):
+class FaultInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpcio ships no types
     """Applies the injector's rules to every RPC of one emulator's server."""
 
     def __init__(self, injector: FaultInjector, service: str) -> None:

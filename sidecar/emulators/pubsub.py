@@ -26,6 +26,7 @@ from google.protobuf import empty_pb2, field_mask_pb2
 from google.pubsub_v1 import types
 
 from sidecar.emulators.faults import FaultInjector
+from sidecar.emulators.pubsub_admin import RpcCounters, admin_routes
 from sidecar.emulators.pubsub_names import (
     DELETED_TOPIC,
     InvalidName,
@@ -179,6 +180,7 @@ class PubsubEmulator:
 
     def __init__(self, injector: FaultInjector) -> None:
         self.broker = Broker()
+        self.counters = RpcCounters()
         self._injector = injector
         self._stream_tasks: set[asyncio.Task[None]] = set()
         injector.stream_breakers["pubsub"] = self.break_streams
@@ -226,11 +228,7 @@ class PubsubEmulator:
         )
 
     def admin_routes(self) -> list[web.RouteDef]:
-        return [
-            web.get("/pubsub/delay", self._get_delay),
-            web.post("/pubsub/delay", self._post_delay),
-            web.delete("/pubsub/delay", self._delete_delay),
-        ]
+        return admin_routes(self.broker, self.counters)
 
     def backlogs(self) -> dict[str, Backlog]:
         """Per subscription with unacked messages: oldest publish time and count (for Monitoring)."""
@@ -360,6 +358,7 @@ class PubsubEmulator:
         sub = self._subscription(request.subscription)
         if not request.ack_ids:
             raise _invalid("Acknowledge: ack_ids must not be empty")
+        self.counters.count_ack(len(request.ack_ids))
         self.broker.acknowledge(sub, request.ack_ids)
         return _Empty()
 
@@ -368,6 +367,7 @@ class PubsubEmulator:
         if not request.ack_ids:
             raise _invalid("ModifyAckDeadline: ack_ids must not be empty")
         _check_modack_seconds(request.ack_deadline_seconds)
+        self.counters.count_modack(request.ack_deadline_seconds, len(request.ack_ids))
         self.broker.modify_deadline(sub, request.ack_ids, request.ack_deadline_seconds)
         return _Empty()
 
@@ -443,7 +443,10 @@ class PubsubEmulator:
         for seconds in request.modify_deadline_seconds:
             _check_modack_seconds(seconds)
         if request.ack_ids:
+            self.counters.count_ack(len(request.ack_ids))
             self.broker.acknowledge(sub, request.ack_ids)
+        for seconds in set(request.modify_deadline_seconds):
+            self.counters.count_modack(seconds, request.modify_deadline_seconds.count(seconds))
         for ack_id, seconds in zip(request.modify_deadline_ack_ids, request.modify_deadline_seconds, strict=True):
             self.broker.modify_deadline(sub, (ack_id,), seconds)
 
@@ -468,33 +471,6 @@ class PubsubEmulator:
             raise
         except Exception as exc:  # the transport failed under us: end the stream, the client reconnects
             stream.end(grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
-
-    # -- admin: delay deliveries --------------------------------------------------------------------
-
-    async def _get_delay(self, request: web.Request) -> web.Response:
-        return web.json_response(self.broker.delivery_delay_seconds)
-
-    async def _post_delay(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-            seconds = float(body["seconds"])
-            target = str(body.get("subscription", "*"))
-        except (ValueError, KeyError, TypeError) as exc:
-            reason = f"expected JSON {{'seconds': N, 'subscription'?: name}}: {exc}"
-            return web.json_response({"error": reason}, status=400)
-        if not 0 <= seconds <= 3600:
-            return web.json_response({"error": "seconds: must be between 0 and 3600"}, status=400)
-        if target != "*":
-            try:
-                parse_subscription(target)
-            except InvalidName as exc:
-                return web.json_response({"error": f"subscription: {exc}"}, status=400)
-        self.broker.delivery_delay_seconds[target] = seconds
-        return web.json_response(self.broker.delivery_delay_seconds)
-
-    async def _delete_delay(self, request: web.Request) -> web.Response:
-        self.broker.delivery_delay_seconds.clear()
-        return web.json_response({})
 
 
 def _fill(received: Any, sub: Subscription, leases: list[Lease]) -> None:

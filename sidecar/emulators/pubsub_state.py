@@ -81,6 +81,8 @@ class Lease:
     deadline: float
     stream: StreamState | None
     active: bool = True
+    extensions: int = 0
+    """Deadline changes (modacks > 0) since delivery, for the admin API's lease report."""
 
 
 @dataclass(slots=True, eq=False)
@@ -144,7 +146,8 @@ class Subscription:
         if not self.config.HasField("retry_policy"):
             return 0.0
         backoff = self.config.retry_policy.minimum_backoff
-        return backoff.seconds + backoff.nanos / 1e9
+        seconds: float = backoff.seconds + backoff.nanos / 1e9
+        return seconds
 
     def notify(self) -> None:
         for stream in self.streams:
@@ -329,8 +332,24 @@ class Broker:
         for ack_id in ack_ids:
             lease = sub.leases.get(ack_id)
             if lease is not None:
+                # Shorter or longer alike: the new deadline counts from now, as production does.
                 lease.deadline = deadline
+                lease.extensions += 1
                 self._push(deadline, _LEASE, lease)
+
+    def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """The subscription's live leases: message id, attempt, seconds left and modacks so far."""
+        now = self._now()
+        return [
+            {
+                "ack_id": lease.ack_id,
+                "message_id": lease.pending.message.message_id,
+                "delivery_attempt": lease.pending.attempts,
+                "seconds_left": round(lease.deadline - now, 3),
+                "extensions": lease.extensions,
+            }
+            for lease in sub.leases.values()
+        ]
 
     def _end_lease(self, lease: Lease) -> None:
         lease.active = False

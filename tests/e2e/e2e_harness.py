@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections import defaultdict
@@ -199,6 +200,14 @@ class EmulatorsProcess:
     def firestore_counters(self) -> dict[str, int]:
         return dict(self.admin("GET", "/firestore/counters"))
 
+    def pubsub_counters(self) -> dict[str, int]:
+        """Acknowledge / ModifyAckDeadline calls and ack ids the emulator received so far."""
+        return dict(self.admin("GET", "/pubsub/counters"))
+
+    def leases(self, subscription: str) -> list[dict[str, Any]]:
+        """The subscription's outstanding leases: ``message_id``, ``seconds_left``, ``extensions``."""
+        return list(self.admin("GET", "/pubsub/leases?" + urllib.parse.urlencode({"subscription": subscription})))
+
 
 _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")
 """``sidecar.app`` logs this once recovery is done; with port 0 it is how a test learns the ports."""
@@ -303,6 +312,10 @@ class SidecarProcess:
     def returncode(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
 
+    def output_lines(self) -> list[str]:
+        """Every line the process wrote to stdout and stderr so far (both go to one pipe)."""
+        return self._out.snapshot() if self._out is not None else []
+
     def output_tail(self, n: int = 60) -> str:
         return self._out.tail(n) if self._out is not None else ""
 
@@ -328,6 +341,7 @@ def subscription_entry(
     ordering: Mapping[str, Any] | None = None,
     delivery: Mapping[str, Any] | None = None,
     dedup: Mapping[str, Any] | None = None,
+    flow_control: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``subscriptions[]`` entry with test-sized timings (short backoffs and ack deadline)."""
     order: dict[str, Any] = {"mode": mode}
@@ -350,6 +364,8 @@ def subscription_entry(
     }
     if dedup is not None:
         entry["dedup"] = dict(dedup)
+    if flow_control is not None:
+        entry["flow_control"] = dict(flow_control)
     if dead_letter_topic is not None:
         entry["dead_letter_topic"] = dead_letter_topic
     return entry

@@ -87,3 +87,37 @@ async def test_probes_answer_and_sigterm_exits_0_within_grace_giving_back_unacke
     await async_wait_until(lambda: len(app.seen) >= 3, "b#1 again after the restart")
     deliveries = [(s.key, s.sequence) for s in app.seen]
     assert sorted(deliveries[:2]) == [("a", 1), ("b", 1)] and deliveries[2:] == [("b", 1)], deliveries
+
+
+async def test_sigterm_while_streaming_pull_fails_logs_only_json_lines_and_exits_0(scenario: Scenario) -> None:
+    scenario.add_subscription("orders")
+    sidecar = await scenario.start_sidecar(grace_period=GRACE_SECONDS)
+    failures = 1_000_000
+    emulators = scenario.emulators
+    rule = emulators.add_fault(service="pubsub", method="StreamingPull", code="UNAVAILABLE", remaining=failures)
+    emulators.break_streams("pubsub", "UNAVAILABLE")
+
+    def reopen_attempts() -> int:
+        [current] = [r for r in emulators.admin("GET", "/faults") if r["id"] == rule["id"]]
+        return failures - int(current["remaining"])
+
+    # The client keeps reopening the stream, and each attempt fails: SIGTERM lands in that loop.
+    await async_wait_until(lambda: reopen_attempts() >= 3, "the subscriber to retry the failing stream")
+    code = await asyncio.to_thread(sidecar.terminate, GRACE_SECONDS + 30)
+
+    output = sidecar.output_lines()
+    assert code == 0, sidecar.output_tail()
+    not_json = []
+    for line in output:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict):
+            not_json.append(line)
+    assert not not_json, "lines that are not one JSON object:\n" + "\n".join(not_json[:20])
+    entries = [json.loads(line) for line in output]
+    assert any(entry["message"].startswith("sidecar stopped") for entry in entries), entries[-10:]
+    # The client was not closed under its stream thread: no "Cannot invoke RPC: Channel closed!".
+    errors = [entry for entry in entries if entry["severity"] in ("ERROR", "CRITICAL")]
+    assert not errors, errors

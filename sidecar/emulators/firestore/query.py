@@ -364,5 +364,12 @@ def _scan_and_sort(store: DocumentStore, query: CompiledQuery, read_us: int | No
                 rows.append((keys, record))
     # Stable sorts from the last ordering to the first give a multi-key sort with mixed directions.
     for index in range(len(paths) - 1, -1, -1):
-        rows.sort(key=lambda row, i=index: row[0][i], reverse=query.descending[index])
+        rows.sort(key=_nth_key(index), reverse=query.descending[index])
     return [record for _, record in rows]
+
+
+def _nth_key(index: int) -> Callable[[tuple[list[Key], Record]], Key]:
+    def key(row: tuple[list[Key], Record]) -> Key:
+        return row[0][index]
+
+    return key

@@ -47,7 +47,8 @@ def _auto_id() -> str:
 
 
 def _micros_of(ts: Any) -> int:
-    return ts.seconds * 1_000_000 + ts.nanos // 1000
+    micros: int = ts.seconds * 1_000_000 + ts.nanos // 1000
+    return micros
 
 
 class FirestoreService:

@@ -311,7 +311,7 @@ class OrderedSubscriber:
         self._outage = reason
 
     def _backoff_delay(self, failures: int) -> float:
-        ceiling = min(self._backoff_max, self._backoff_initial * (2 ** min(failures, 30)))
+        ceiling = min(self._backoff_max, self._backoff_initial * (1 << min(failures, 30)))
         # "Equal jitter": at least half the ceiling, so reconnects never spin, spread over the rest.
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
