@@ -478,7 +478,7 @@ class PubsubEmulator:
         return web.json_response(self._clock_body())
 
     async def _post_clock(self, request: web.Request) -> web.Response:
-        """Move the clock that retention and snapshot expiry read forward (never back)."""
+        """Move the emulator's clock forward (never back): messages age, retention and snapshots expire."""
         try:
             body = await request.json()
             seconds = float(body["advance_seconds"])

@@ -16,9 +16,9 @@ Rules (from the ``google.pubsub.v1`` API reference):
   messages unacked; its topic must be the subscription's. Either way outstanding leases are
   revoked (their ack ids go stale) and delivery restarts from the rebuilt backlog, in publish order.
 
-Expiry is checked against the broker's retention clock (the wall clock plus an offset the admin
-API can move forward, so that tests can age messages by days), on every snapshot or seek call and
-by a sweep every ``SWEEP_PERIOD_SECONDS``.
+Expiry is checked against the broker's clock (the wall clock plus an offset the admin API can move
+forward, so that tests can age messages by days), on every snapshot or seek call and by a sweep
+every ``SWEEP_PERIOD_SECONDS``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Replay:
     def expunge(self) -> None:
         """Drop what retention no longer keeps: old messages, expired snapshots."""
         broker = self._broker
-        now = broker.retention_now_ns()
+        now = broker.now_ns()
         for sub in broker.subscriptions.values():
             self._expunge_subscription(sub, now - sub.retention_ns)
         for topic_name, log in broker.topic_logs.items():
@@ -142,7 +142,7 @@ class Replay:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"Cannot create a snapshot of {sub.name}: its topic was deleted",
             )
-        now = broker.retention_now_ns()
+        now = broker.now_ns()
         oldest = next(iter(sub.unacked.values())).publish_time_ns if sub.unacked else now
         expire_ns = oldest + SNAPSHOT_MAX_LIFETIME_NS
         if expire_ns - now < SNAPSHOT_MIN_LIFETIME_NS:

@@ -69,7 +69,7 @@ class Broker:
     def __init__(self, wall_clock_ns: Callable[[], int] = time.time_ns) -> None:
         self._wall_clock_ns = wall_clock_ns
         self.clock_offset_ns = 0
-        """Admin API: how far the retention clock (retention, snapshot expiry) runs ahead of the wall clock."""
+        """Admin API: how far the emulator's clock runs ahead of the wall clock (to age messages in tests)."""
         self.topics: dict[str, Any] = {}
         self.subscriptions: dict[str, Subscription] = {}
         self.snapshots: dict[str, Snapshot] = {}
@@ -90,8 +90,11 @@ class Broker:
         self.delivery_delay_seconds: dict[str, float] = {}
         """Fault: subscription name (or "*") -> seconds every new message waits before it is deliverable."""
 
-    def retention_now_ns(self) -> int:
-        """The clock message retention and snapshot expiry read (the wall clock plus the admin offset)."""
+    def now_ns(self) -> int:
+        """The emulator's clock: publish times, retention, snapshot expiry and Monitoring samples read it.
+
+        The wall clock plus the offset the admin API can move forward; lease deadlines do not use it
+        (they run on the event loop's monotonic clock)."""
         return self._wall_clock_ns() + self.clock_offset_ns
 
     def next_seq(self) -> int:
@@ -148,7 +151,7 @@ class Broker:
         topic = self.topic(config.topic)
         if topic.HasField("message_retention_duration"):
             config.topic_message_retention_duration.CopyFrom(topic.message_retention_duration)
-        sub = Subscription(config=config, created_ns=self._wall_clock_ns())
+        sub = Subscription(config=config, created_ns=self.now_ns())
         self.subscriptions[config.name] = sub
         self._topic_subs[config.topic].add(config.name)
         return sub
@@ -184,7 +187,7 @@ class Broker:
         subs = [self.subscriptions[n] for n in self._topic_subs.get(topic_name, ())]
         log = self.topic_logs.get(topic_name)
         snapshots = [self.snapshots[n] for n in self.topic_snapshots.get(topic_name, ())]
-        now_ns = self._wall_clock_ns()
+        now_ns = self.now_ns()
         seconds, nanos = divmod(now_ns, 1_000_000_000)
         ids: list[str] = []
         for message in messages:
