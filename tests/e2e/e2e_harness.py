@@ -391,9 +391,14 @@ class PubSub:
         with emulator_env(env):
             self.publisher = pubsub_v1.PublisherClient()
             self.subscriber = pubsub_v1.SubscriberClient()
+            # Publishing with ordering keys needs a publisher with message ordering enabled.
+            self.ordered_publisher = pubsub_v1.PublisherClient(
+                publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+            )
 
     def close(self) -> None:
         self.publisher.stop()
+        self.ordered_publisher.stop()
         self.subscriber.close()
 
     def topic(self, prefix: str) -> str:
@@ -401,9 +406,16 @@ class PubSub:
         self.publisher.create_topic(name=path)
         return path
 
-    def subscription(self, topic: str, ack_deadline_seconds: int = 10) -> str:
+    def subscription(self, topic: str, ack_deadline_seconds: int = 10, enable_message_ordering: bool = False) -> str:
         path = topic.replace("/topics/", "/subscriptions/")
-        self.subscriber.create_subscription(name=path, topic=topic, ack_deadline_seconds=ack_deadline_seconds)
+        self.subscriber.create_subscription(
+            request={
+                "name": path,
+                "topic": topic,
+                "ack_deadline_seconds": ack_deadline_seconds,
+                "enable_message_ordering": enable_message_ordering,
+            }
+        )
         return path
 
     async def publish(self, topic: str, data: bytes, **attributes: str) -> str:
@@ -413,6 +425,12 @@ class PubSub:
     async def publish_all(self, topic: str, messages: list[tuple[bytes, dict[str, str]]]) -> list[str]:
         """Publish in the given order (the client batches them); returns the message ids."""
         futures = [self.publisher.publish(topic, data, **attrs) for data, attrs in messages]
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def publish_ordered(self, topic: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[str]:
+        """Publish (ordering key, data, attributes) in the given order with the ordering publisher."""
+        publish = self.ordered_publisher.publish
+        futures = [publish(topic, data, ordering_key=key, **attrs) for key, data, attrs in messages]
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     def pull_available(self, subscription: str) -> list[Pulled]:
