@@ -26,6 +26,7 @@ from google.protobuf import empty_pb2
 from google.pubsub_v1 import types
 
 from sidecar.emulators.faults import FaultInjector
+from sidecar.emulators.pubsub_admin import PubsubAdmin
 from sidecar.emulators.pubsub_iam import IamService
 from sidecar.emulators.pubsub_model import (
     MAX_ACK_DEADLINE_SECONDS,
@@ -47,86 +48,19 @@ from sidecar.emulators.pubsub_replay import Replay, check_retention
 from sidecar.emulators.pubsub_rpc import apply_mask, invalid, page, unary
 from sidecar.emulators.pubsub_snapshots import SnapshotService
 from sidecar.emulators.pubsub_state import Broker
+from sidecar.emulators.pubsub_validation import check_modack_seconds, validate_messages, validate_subscription
 
 _LOGGER = logging.getLogger(__name__)
 
-MAX_PUBLISH_REQUEST_BYTES = 10 * 1000 * 1000
-"""Production refuses a Publish request (and so any message) above 10 MB."""
-MAX_ATTRIBUTE_KEY_BYTES = 256
-MAX_ATTRIBUTE_VALUE_BYTES = 1024
-MAX_ORDERING_KEY_BYTES = 1024
-DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
-"""What production fills in for ``message_retention_duration`` when it is unset."""
-DEFAULT_EXPIRATION_TTL_SECONDS = 31 * 24 * 3600
 PULL_WAIT_SECONDS = 1.0
 """A unary Pull with nothing available waits this long for a message before answering empty."""
-MAX_CLOCK_ADVANCE_SECONDS = 400 * 24 * 3600
-"""Admin API bound: more than a year ahead has no use (31 days is the longest retention)."""
 
 _PubsubMessage = types.PubsubMessage.pb()
 _Topic = types.Topic.pb()
 _Subscription = types.Subscription.pb()
-_SubscriptionState = types.Subscription.State
 _StreamingPullRequest = types.StreamingPullRequest.pb()
 _StreamingPullResponse = types.StreamingPullResponse.pb()
 _Empty = empty_pb2.Empty
-
-
-def _validate_subscription(config: Any) -> None:
-    """Check and fill in a subscription config as production does on create and update."""
-    if config.ack_deadline_seconds == 0:
-        config.ack_deadline_seconds = MIN_ACK_DEADLINE_SECONDS
-    if not MIN_ACK_DEADLINE_SECONDS <= config.ack_deadline_seconds <= MAX_ACK_DEADLINE_SECONDS:
-        raise invalid(
-            f"ack_deadline_seconds must be between {MIN_ACK_DEADLINE_SECONDS} and {MAX_ACK_DEADLINE_SECONDS}"
-            f" (got {config.ack_deadline_seconds})"
-        )
-    if config.HasField("dead_letter_policy") and config.dead_letter_policy.dead_letter_topic:
-        policy = config.dead_letter_policy
-        parse_topic(policy.dead_letter_topic)
-        if policy.max_delivery_attempts == 0:
-            policy.max_delivery_attempts = 5
-        if not 5 <= policy.max_delivery_attempts <= 100:
-            raise invalid(
-                f"dead_letter_policy.max_delivery_attempts must be between 5 and 100 "
-                f"(got {policy.max_delivery_attempts})"
-            )
-    if config.HasField("retry_policy"):
-        low = config.retry_policy.minimum_backoff.ToTimedelta().total_seconds()
-        high = config.retry_policy.maximum_backoff.ToTimedelta().total_seconds()
-        if not 0 <= low <= 600 or not 0 <= high <= 600:
-            raise invalid("retry_policy backoffs must be between 0 and 600 seconds")
-    if config.message_retention_duration.seconds == 0 and config.message_retention_duration.nanos == 0:
-        config.message_retention_duration.seconds = DEFAULT_RETENTION_SECONDS
-    check_retention(config.message_retention_duration, "message_retention_duration")
-    if not config.HasField("expiration_policy"):
-        config.expiration_policy.ttl.seconds = DEFAULT_EXPIRATION_TTL_SECONDS
-    config.state = _SubscriptionState.ACTIVE
-
-
-def _validate_messages(request: Any) -> None:
-    if not request.messages:
-        raise invalid("Publish: the request contains no messages")
-    size = request.ByteSize()
-    if size > MAX_PUBLISH_REQUEST_BYTES:
-        raise invalid(f"Publish: request size {size} bytes exceeds the limit of {MAX_PUBLISH_REQUEST_BYTES} bytes")
-    for index, message in enumerate(request.messages):
-        if not message.data and not message.attributes:
-            raise invalid(f"Publish: message {index} contains neither data nor attributes")
-        for key, value in message.attributes.items():
-            if not key or len(key.encode()) > MAX_ATTRIBUTE_KEY_BYTES:
-                raise invalid(f"Publish: message {index}: attribute key {key!r} must be 1-256 bytes")
-            if key.startswith("goog"):
-                raise invalid(f"Publish: message {index}: attribute key {key!r} is reserved (starts with 'goog')")
-            if len(value.encode()) > MAX_ATTRIBUTE_VALUE_BYTES:
-                raise invalid(f"Publish: message {index}: attribute {key!r} value exceeds 1024 bytes")
-        if len(message.ordering_key.encode()) > MAX_ORDERING_KEY_BYTES:
-            raise invalid(f"Publish: message {index}: ordering_key exceeds 1024 bytes")
-
-
-def _check_modack_seconds(seconds: int) -> None:
-    if not 0 <= seconds <= MAX_ACK_DEADLINE_SECONDS:
-        raise invalid(f"ack_deadline_seconds must be between 0 and {MAX_ACK_DEADLINE_SECONDS} (got {seconds})")
 
 
 class PubsubEmulator:
@@ -183,13 +117,7 @@ class PubsubEmulator:
         self._iam.add_to_server(server)
 
     def admin_routes(self) -> list[web.RouteDef]:
-        return [
-            web.get("/pubsub/delay", self._get_delay),
-            web.post("/pubsub/delay", self._post_delay),
-            web.delete("/pubsub/delay", self._delete_delay),
-            web.get("/pubsub/clock", self._get_clock),
-            web.post("/pubsub/clock", self._post_clock),
-        ]
+        return PubsubAdmin(self.broker, self.replay).routes()
 
     def backlogs(self) -> dict[str, Backlog]:
         """Per subscription with unacked messages: oldest publish time and count (for Monitoring)."""
@@ -255,7 +183,7 @@ class PubsubEmulator:
     async def publish(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parse_topic(request.topic)
         self.broker.topic(request.topic)
-        _validate_messages(request)
+        validate_messages(request)
         ids = self.broker.publish(request.topic, request.messages)
         return types.PublishResponse.pb()(message_ids=ids)
 
@@ -272,7 +200,7 @@ class PubsubEmulator:
             raise invalid("exactly-once delivery is not supported by this emulator")
         config = _Subscription()
         config.CopyFrom(request)
-        _validate_subscription(config)
+        validate_subscription(config)
         config.ClearField("topic_message_retention_duration")  # output only: the topic's, set by the broker
         self.broker.add_subscription(config)
         self.replay.start_sweeper()
@@ -294,7 +222,7 @@ class PubsubEmulator:
             {"name", "topic", "enable_message_ordering", "enable_exactly_once_delivery", "state",
              "topic_message_retention_duration"},
         )  # fmt: skip
-        _validate_subscription(updated)
+        validate_subscription(updated)
         sub.config = updated
         if not updated.retain_acked_messages:
             sub.acked.clear()
@@ -339,7 +267,7 @@ class PubsubEmulator:
         sub = self._subscription(request.subscription)
         if not request.ack_ids:
             raise invalid("ModifyAckDeadline: ack_ids must not be empty")
-        _check_modack_seconds(request.ack_deadline_seconds)
+        check_modack_seconds(request.ack_deadline_seconds)
         self.broker.modify_deadline(sub, request.ack_ids, request.ack_deadline_seconds)
         return _Empty()
 
@@ -414,7 +342,7 @@ class PubsubEmulator:
                 "StreamingPull: modify_deadline_ack_ids and modify_deadline_seconds must have the same length"
             )
         for seconds in request.modify_deadline_seconds:
-            _check_modack_seconds(seconds)
+            check_modack_seconds(seconds)
         if request.ack_ids:
             self.broker.acknowledge(sub, request.ack_ids)
         for ack_id, seconds in zip(request.modify_deadline_ack_ids, request.modify_deadline_seconds, strict=True):
@@ -441,56 +369,6 @@ class PubsubEmulator:
             raise
         except Exception as exc:  # the transport failed under us: end the stream, the client reconnects
             stream.end(grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
-
-    # -- admin: delay deliveries --------------------------------------------------------------------
-
-    async def _get_delay(self, request: web.Request) -> web.Response:
-        return web.json_response(self.broker.delivery_delay_seconds)
-
-    async def _post_delay(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-            seconds = float(body["seconds"])
-            target = str(body.get("subscription", "*"))
-        except (ValueError, KeyError, TypeError) as exc:
-            reason = f"expected JSON {{'seconds': N, 'subscription'?: name}}: {exc}"
-            return web.json_response({"error": reason}, status=400)
-        if not 0 <= seconds <= 3600:
-            return web.json_response({"error": "seconds: must be between 0 and 3600"}, status=400)
-        if target != "*":
-            try:
-                parse_subscription(target)
-            except InvalidName as exc:
-                return web.json_response({"error": f"subscription: {exc}"}, status=400)
-        self.broker.delivery_delay_seconds[target] = seconds
-        return web.json_response(self.broker.delivery_delay_seconds)
-
-    async def _delete_delay(self, request: web.Request) -> web.Response:
-        self.broker.delivery_delay_seconds.clear()
-        return web.json_response({})
-
-    # -- admin: the retention clock ------------------------------------------------------------------
-
-    def _clock_body(self) -> dict[str, float]:
-        return {"offset_seconds": self.broker.clock_offset_ns / 1e9}
-
-    async def _get_clock(self, request: web.Request) -> web.Response:
-        return web.json_response(self._clock_body())
-
-    async def _post_clock(self, request: web.Request) -> web.Response:
-        """Move the emulator's clock forward (never back): messages age, retention and snapshots expire."""
-        try:
-            body = await request.json()
-            seconds = float(body["advance_seconds"])
-        except (ValueError, KeyError, TypeError) as exc:
-            return web.json_response({"error": f"expected JSON {{'advance_seconds': N}}: {exc}"}, status=400)
-        if not 0 <= seconds <= MAX_CLOCK_ADVANCE_SECONDS:
-            return web.json_response(
-                {"error": f"advance_seconds: must be between 0 and {MAX_CLOCK_ADVANCE_SECONDS}"}, status=400
-            )
-        self.broker.clock_offset_ns += int(seconds * 1e9)
-        self.replay.expunge()
-        return web.json_response(self._clock_body())
 
 
 def _fill(received: Any, sub: Subscription, leases: list[Lease]) -> None:

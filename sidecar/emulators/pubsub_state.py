@@ -34,7 +34,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
@@ -56,6 +55,7 @@ from sidecar.emulators.pubsub_model import (
     StreamState,
     Subscription,
 )
+from sidecar.emulators.pubsub_timers import TimerHeap
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -82,9 +82,7 @@ class Broker:
         self._seq = itertools.count(1)
         self._ack_seq = itertools.count(1)
         self._message_ids = itertools.count(1)
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_when = 0.0
+        self._timers = TimerHeap(self._on_due)
         self._to_dispatch: dict[Subscription, None] = {}
         self._dispatch_handle: asyncio.Handle | None = None
         self.delivery_delay_seconds: dict[str, float] = {}
@@ -450,38 +448,24 @@ class Broker:
         self._push(self._now() + delay_seconds, _RELEASE, (sub, pending, pending.release_token))
 
     def _push(self, when: float, kind: int, obj: Any) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), kind, obj))
-        if self._timer is None or when < self._timer_when:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_when = when
-            self._timer = asyncio.get_running_loop().call_at(when, self._on_timer)
+        self._timers.push(when, kind, obj)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        now = self._now()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            when, _, kind, obj = heapq.heappop(heap)
-            if kind == _LEASE:
-                lease: Lease = obj
-                if not lease.active or lease.deadline != when:
-                    continue  # acked, nacked or extended since this entry was pushed
+    def _on_due(self, when: float, kind: int, obj: Any) -> None:
+        if kind == _LEASE:
+            lease: Lease = obj
+            if lease.active and lease.deadline == when:  # else acked, nacked or extended since
                 self._expire(lease)
+            return
+        sub, pending, token = obj
+        # Skipped when the subscription is gone, the message was acked or expunged since, or a
+        # Seek rebuilt the backlog (a new Pending) or re-armed the release.
+        if not sub.deleted and sub.unacked.get(pending.seq) is pending and pending.release_token == token:
+            pending.release_token += 1
+            if pending.attempts == 0:
+                sub.available.append(pending)  # a delayed new message: dispatch holds its key if busy
             else:
-                sub, pending, token = obj
-                # Skipped when the subscription is gone, the message was acked or expunged since,
-                # or a Seek rebuilt the backlog (a new Pending) or re-armed the release.
-                if not sub.deleted and sub.unacked.get(pending.seq) is pending and pending.release_token == token:
-                    pending.release_token += 1
-                    if pending.attempts == 0:
-                        sub.available.append(pending)  # a delayed new message: dispatch holds its key if busy
-                    else:
-                        self._put_back(sub, pending, front=False)  # after a backoff: frees its key
-                    self.notify(sub)
-        if heap:
-            self._timer_when = heap[0][0]
-            self._timer = asyncio.get_running_loop().call_at(self._timer_when, self._on_timer)
+                self._put_back(sub, pending, front=False)  # after a backoff: frees its key
+            self.notify(sub)
 
     def _expire(self, lease: Lease) -> None:
         sub = lease.subscription
@@ -491,13 +475,10 @@ class Broker:
         self._redeliver(sub, lease.pending)
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timers.close()
         if self._dispatch_handle is not None:
             self._dispatch_handle.cancel()
             self._dispatch_handle = None
-        self._heap.clear()
 
     # -- monitoring ------------------------------------------------------------------------------
 

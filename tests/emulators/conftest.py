@@ -28,6 +28,7 @@ from unittest import mock
 import pytest
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
+from pubsub_clients import PrivateEmulators
 
 _START_TIMEOUT_SECONDS = 60.0
 _STOP_TIMEOUT_SECONDS = 20.0
@@ -137,15 +138,6 @@ def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulators]:
         monkeypatch.undo()
         returncode = _stop(proc)
     assert returncode == 0, f"emulators exited with {returncode}; stderr in {log_path}"
-
-
-@dataclass
-class PrivateEmulators:
-    """Emulators of one test module alone (for tests that move the emulator's clock), with their clients."""
-
-    emulators: Emulators
-    publisher: Any
-    subscriber: Any
 
 
 @pytest.fixture(scope="module")

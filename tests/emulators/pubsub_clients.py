@@ -11,11 +11,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from google.cloud import pubsub_v1
 from google.pubsub_v1 import types
+
+
+@dataclass
+class PrivateEmulators:
+    """Emulators of one test module alone (for tests that move the emulator's clock), with their clients.
+
+    ``emulators`` is the conftest's ``Emulators`` (addresses, project, admin API)."""
+
+    emulators: Any
+    publisher: Any
+    subscriber: Any
 
 
 class Inbox:

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import PrivateEmulators
 from google.api_core import exceptions
 from google.protobuf import timestamp_pb2
+from pubsub_clients import PrivateEmulators
 
 pytestmark = pytest.mark.timeout(120)
 
