@@ -388,18 +388,29 @@ class PubSub:
     """Topics, subscriptions, publishing and pulling on the emulator, with the official clients."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = dict(env)
         with emulator_env(env):
             self.publisher = pubsub_v1.PublisherClient()
             self.subscriber = pubsub_v1.SubscriberClient()
-            # Publishing with ordering keys needs a publisher with message ordering enabled.
-            self.ordered_publisher = pubsub_v1.PublisherClient(
-                publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
-            )
+        self._ordered_publisher: Any = None
 
     def close(self) -> None:
         self.publisher.stop()
-        self.ordered_publisher.stop()
+        if self._ordered_publisher is not None:
+            self._ordered_publisher.stop()
         self.subscriber.close()
+
+    @property
+    def ordered_publisher(self) -> Any:
+        """A publisher with message ordering enabled (needed to publish with ordering keys), made on
+        first use: ``emulator_env`` patches the process environment, so no more clients are built
+        in ``__init__`` than every test needs (tests build ``PubSub`` objects in parallel threads)."""
+        if self._ordered_publisher is None:
+            with emulator_env(self._env):
+                self._ordered_publisher = pubsub_v1.PublisherClient(
+                    publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+                )
+        return self._ordered_publisher
 
     def topic(self, prefix: str) -> str:
         path = f"projects/{PROJECT}/topics/{prefix}-{uuid.uuid4().hex[:8]}"
