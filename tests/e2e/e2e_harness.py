@@ -370,10 +370,17 @@ def write_config(path: Path, *, listen: str, root: str, subscriptions: list[dict
 # ---- Pub/Sub through the official clients ---------------------------------------------------------
 
 
+_ENV_LOCK = threading.Lock()
+
+
 @contextmanager
 def emulator_env(env: Mapping[str, str]) -> Iterator[None]:
-    """The official clients read ``PUBSUB_EMULATOR_HOST`` at construction: set it just for that."""
-    with mock.patch.dict(os.environ, dict(env)):
+    """The official clients read ``PUBSUB_EMULATOR_HOST`` at construction: set it just for that.
+
+    Serialised: ``patch.dict`` restores the environment it saw on entry, so two threads patching at
+    once would leave the variable set for good (and later suites would take it for an external
+    emulator)."""
+    with _ENV_LOCK, mock.patch.dict(os.environ, dict(env)):
         yield
 
 

@@ -34,6 +34,10 @@ _START_TIMEOUT_SECONDS = 60.0
 _STOP_TIMEOUT_SECONDS = 20.0
 METRIC_PERIOD_SECONDS = 1.0
 METRIC_DELAY_SECONDS = 2.0
+# Read when pytest loads this file, before any test runs: what the user pointed the suite at, not
+# what another suite's test may have left in the environment.
+_EXTERNAL_PUBSUB_HOST = os.environ.get("PUBSUB_EMULATOR_HOST")
+_EXTERNAL_MONITORING_HOST = os.environ.get("MONITORING_EMULATOR_HOST")
 
 
 @dataclass(frozen=True)
@@ -122,9 +126,9 @@ def _stop(proc: subprocess.Popen[str]) -> int:
 @pytest.fixture(scope="session")
 def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulators]:
     project = os.environ.get("GOOGLE_CLOUD_PROJECT", "conformance-test")
-    external = os.environ.get("PUBSUB_EMULATOR_HOST")
+    external = _EXTERNAL_PUBSUB_HOST
     if external:
-        yield Emulators(external, os.environ.get("MONITORING_EMULATOR_HOST"), None, project)
+        yield Emulators(external, _EXTERNAL_MONITORING_HOST, None, project)
         return
     log_path: Path = tmp_path_factory.mktemp("emulators") / "stderr.log"
     proc, exports = _start(log_path)
