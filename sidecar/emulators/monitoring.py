@@ -34,7 +34,7 @@ import grpc
 from google.api import metric_pb2
 from google.cloud.monitoring_v3 import types
 
-from sidecar.emulators.pubsub_state import Backlog
+from sidecar.emulators.pubsub_model import Backlog
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -1,32 +1,43 @@
 """The Pub/Sub emulator's gRPC surface: ``google.pubsub.v1.Publisher`` and ``Subscriber``.
 
-The only module of ours that imports ``google.pubsub_v1``. Requests arrive as raw protobuf messages
-(the proto-plus types' ``.pb()`` classes, no code generation); the broker in ``pubsub_state.py``
-does the work. Rules kept here:
+Requests arrive as raw protobuf messages (the proto-plus types' ``.pb()`` classes, no code
+generation); the broker in ``pubsub_state.py`` does the work. Snapshots and Seek are served by
+``pubsub_snapshots.py``, ``google.iam.v1.IAMPolicy`` by ``pubsub_iam.py``, both on this server.
+Rules kept here:
 - every refusal is the status code production gives (INVALID_ARGUMENT for malformed names, values
   or oversize publishes, NOT_FOUND, ALREADY_EXISTS), with a message; an unexpected exception is logged
   and becomes INTERNAL, never UNKNOWN (the publisher retries UNKNOWN silently for ten minutes);
 - StreamingPull fails with NOT_FOUND when the subscription is missing (the client never checks it
   first) and is only ever ended by the server with a non-OK code (OK would stop the subscriber);
-- snapshots, seek, push delivery and exactly-once delivery are not emulated (see docs/emulators.md).
+- push delivery, exactly-once delivery, filters and schemas are refused (see docs/emulators.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from aiohttp import web
-from google.protobuf import empty_pb2, field_mask_pb2
+from google.protobuf import empty_pb2
 from google.pubsub_v1 import types
 
 from sidecar.emulators.faults import FaultInjector
-from sidecar.emulators.pubsub_admin import RpcCounters, admin_routes
+from sidecar.emulators.pubsub_admin import PubsubAdmin
+from sidecar.emulators.pubsub_counters import RpcCounters
+from sidecar.emulators.pubsub_iam import IamService
+from sidecar.emulators.pubsub_model import (
+    MAX_ACK_DEADLINE_SECONDS,
+    MIN_ACK_DEADLINE_SECONDS,
+    Backlog,
+    Lease,
+    PubsubError,
+    StreamState,
+    Subscription,
+)
 from sidecar.emulators.pubsub_names import (
     DELETED_TOPIC,
     InvalidName,
@@ -34,145 +45,23 @@ from sidecar.emulators.pubsub_names import (
     parse_subscription,
     parse_topic,
 )
-from sidecar.emulators.pubsub_state import (
-    MAX_ACK_DEADLINE_SECONDS,
-    MIN_ACK_DEADLINE_SECONDS,
-    Backlog,
-    Broker,
-    Lease,
-    PubsubError,
-    StreamState,
-    Subscription,
-)
+from sidecar.emulators.pubsub_replay import Replay, check_retention
+from sidecar.emulators.pubsub_rpc import apply_mask, invalid, page, unary
+from sidecar.emulators.pubsub_snapshots import SnapshotService
+from sidecar.emulators.pubsub_state import Broker
+from sidecar.emulators.pubsub_validation import check_modack_seconds, validate_messages, validate_subscription
 
 _LOGGER = logging.getLogger(__name__)
 
-MAX_PUBLISH_REQUEST_BYTES = 10 * 1000 * 1000
-"""Production refuses a Publish request (and so any message) above 10 MB."""
-MAX_ATTRIBUTE_KEY_BYTES = 256
-MAX_ATTRIBUTE_VALUE_BYTES = 1024
-MAX_ORDERING_KEY_BYTES = 1024
-DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
-"""What production fills in for ``message_retention_duration`` when it is unset."""
-DEFAULT_EXPIRATION_TTL_SECONDS = 31 * 24 * 3600
 PULL_WAIT_SECONDS = 1.0
 """A unary Pull with nothing available waits this long for a message before answering empty."""
-MAX_PAGE_SIZE = 1000
 
 _PubsubMessage = types.PubsubMessage.pb()
 _Topic = types.Topic.pb()
 _Subscription = types.Subscription.pb()
-_SubscriptionState = types.Subscription.State
 _StreamingPullRequest = types.StreamingPullRequest.pb()
 _StreamingPullResponse = types.StreamingPullResponse.pb()
 _Empty = empty_pb2.Empty
-
-_Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-
-
-def _invalid(message: str) -> PubsubError:
-    return PubsubError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def _guarded(handler: _Handler) -> _Handler:
-    """Turn our errors into their status codes and anything unexpected into INTERNAL."""
-
-    @functools.wraps(handler)
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await handler(request, context)
-        except PubsubError as exc:
-            await context.abort(exc.code, exc.message)
-        except InvalidName as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            _LOGGER.exception("pubsub emulator: unexpected error in %s", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"emulator error in {handler.__name__}")
-
-    return call
-
-
-def _page(names: list[str], page_size: int, page_token: str) -> tuple[list[str], str]:
-    """A page of sorted ``names`` after ``page_token`` (the last name of the previous page)."""
-    if page_size < 0:
-        raise _invalid("page_size must not be negative")
-    size = min(page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
-    rest = [n for n in names if n > page_token] if page_token else names
-    page = rest[:size]
-    return page, (page[-1] if len(rest) > size else "")
-
-
-def _apply_mask(target: Any, update: Any, mask: Any, immutable: set[str]) -> None:
-    if not mask.paths:
-        raise _invalid("update_mask must name at least one field")
-    fields = {f.name for f in target.DESCRIPTOR.fields}
-    for path in mask.paths:
-        top = path.split(".", 1)[0]
-        if top not in fields:
-            raise _invalid(f"update_mask: unknown field {path!r}")
-        if top in immutable:
-            raise _invalid(f"update_mask: field {path!r} cannot be updated")
-    field_mask_pb2.FieldMask(paths=list(mask.paths)).MergeMessage(
-        update, target, replace_message_field=True, replace_repeated_field=True
-    )
-
-
-def _validate_subscription(config: Any) -> None:
-    """Check and fill in a subscription config as production does on create and update."""
-    if config.ack_deadline_seconds == 0:
-        config.ack_deadline_seconds = MIN_ACK_DEADLINE_SECONDS
-    if not MIN_ACK_DEADLINE_SECONDS <= config.ack_deadline_seconds <= MAX_ACK_DEADLINE_SECONDS:
-        raise _invalid(
-            f"ack_deadline_seconds must be between {MIN_ACK_DEADLINE_SECONDS} and {MAX_ACK_DEADLINE_SECONDS}"
-            f" (got {config.ack_deadline_seconds})"
-        )
-    if config.HasField("dead_letter_policy") and config.dead_letter_policy.dead_letter_topic:
-        policy = config.dead_letter_policy
-        parse_topic(policy.dead_letter_topic)
-        if policy.max_delivery_attempts == 0:
-            policy.max_delivery_attempts = 5
-        if not 5 <= policy.max_delivery_attempts <= 100:
-            raise _invalid(
-                f"dead_letter_policy.max_delivery_attempts must be between 5 and 100 "
-                f"(got {policy.max_delivery_attempts})"
-            )
-    if config.HasField("retry_policy"):
-        low = config.retry_policy.minimum_backoff.ToTimedelta().total_seconds()
-        high = config.retry_policy.maximum_backoff.ToTimedelta().total_seconds()
-        if not 0 <= low <= 600 or not 0 <= high <= 600:
-            raise _invalid("retry_policy backoffs must be between 0 and 600 seconds")
-    if config.message_retention_duration.seconds == 0 and config.message_retention_duration.nanos == 0:
-        config.message_retention_duration.seconds = DEFAULT_RETENTION_SECONDS
-    if not config.HasField("expiration_policy"):
-        config.expiration_policy.ttl.seconds = DEFAULT_EXPIRATION_TTL_SECONDS
-    config.state = _SubscriptionState.ACTIVE
-
-
-def _validate_messages(request: Any) -> None:
-    if not request.messages:
-        raise _invalid("Publish: the request contains no messages")
-    size = request.ByteSize()
-    if size > MAX_PUBLISH_REQUEST_BYTES:
-        raise _invalid(f"Publish: request size {size} bytes exceeds the limit of {MAX_PUBLISH_REQUEST_BYTES} bytes")
-    for index, message in enumerate(request.messages):
-        if not message.data and not message.attributes:
-            raise _invalid(f"Publish: message {index} contains neither data nor attributes")
-        for key, value in message.attributes.items():
-            if not key or len(key.encode()) > MAX_ATTRIBUTE_KEY_BYTES:
-                raise _invalid(f"Publish: message {index}: attribute key {key!r} must be 1-256 bytes")
-            if key.startswith("goog"):
-                raise _invalid(f"Publish: message {index}: attribute key {key!r} is reserved (starts with 'goog')")
-            if len(value.encode()) > MAX_ATTRIBUTE_VALUE_BYTES:
-                raise _invalid(f"Publish: message {index}: attribute {key!r} value exceeds 1024 bytes")
-        if len(message.ordering_key.encode()) > MAX_ORDERING_KEY_BYTES:
-            raise _invalid(f"Publish: message {index}: ordering_key exceeds 1024 bytes")
-
-
-def _check_modack_seconds(seconds: int) -> None:
-    if not 0 <= seconds <= MAX_ACK_DEADLINE_SECONDS:
-        raise _invalid(f"ack_deadline_seconds must be between 0 and {MAX_ACK_DEADLINE_SECONDS} (got {seconds})")
 
 
 class PubsubEmulator:
@@ -180,6 +69,9 @@ class PubsubEmulator:
 
     def __init__(self, injector: FaultInjector) -> None:
         self.broker = Broker()
+        self.replay = Replay(self.broker)
+        self._snapshots = SnapshotService(self.broker, self.replay)
+        self._iam = IamService(self.broker, self.replay)
         self.counters = RpcCounters()
         self._injector = injector
         self._stream_tasks: set[asyncio.Task[None]] = set()
@@ -188,9 +80,6 @@ class PubsubEmulator:
     # -- wiring ----------------------------------------------------------------------------------
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        def unary(fn: _Handler, request: Any, response: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(_guarded(fn), request.FromString, response.SerializeToString)
-
         publisher = {
             "CreateTopic": unary(self.create_topic, _Topic, _Topic),
             "UpdateTopic": unary(self.update_topic, types.UpdateTopicRequest.pb(), _Topic),
@@ -219,6 +108,7 @@ class PubsubEmulator:
             "StreamingPull": grpc.stream_stream_rpc_method_handler(
                 self.streaming_pull, _StreamingPullRequest.FromString, _StreamingPullResponse.SerializeToString
             ),
+            **self._snapshots.handlers(),
         }
         server.add_generic_rpc_handlers(
             (
@@ -226,9 +116,10 @@ class PubsubEmulator:
                 grpc.method_handlers_generic_handler("google.pubsub.v1.Subscriber", subscriber),
             )
         )
+        self._iam.add_to_server(server)
 
     def admin_routes(self) -> list[web.RouteDef]:
-        return admin_routes(self.broker, self.counters)
+        return PubsubAdmin(self.broker, self.replay, self.counters).routes()
 
     def backlogs(self) -> dict[str, Backlog]:
         """Per subscription with unacked messages: oldest publish time and count (for Monitoring)."""
@@ -239,6 +130,7 @@ class PubsubEmulator:
 
     async def close(self) -> None:
         self.broker.break_streams(grpc.StatusCode.UNAVAILABLE, "emulator shutting down")
+        self.replay.close()
         self.broker.close()
         self._injector.stream_breakers.pop("pubsub", None)
 
@@ -247,10 +139,13 @@ class PubsubEmulator:
     async def create_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parse_topic(request.name)
         if request.schema_settings.schema:
-            raise _invalid("schemas are not supported by this emulator")
+            raise invalid("schemas are not supported by this emulator")
+        if request.HasField("message_retention_duration"):
+            check_retention(request.message_retention_duration, "message_retention_duration")
         config = _Topic()
         config.CopyFrom(request)
         self.broker.add_topic(config)
+        self.replay.start_sweeper()
         return config
 
     async def get_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -262,22 +157,25 @@ class PubsubEmulator:
         current = self.broker.topic(request.topic.name)
         updated = _Topic()
         updated.CopyFrom(current)
-        _apply_mask(updated, request.topic, request.update_mask, {"name"})
+        apply_mask(updated, request.topic, request.update_mask, {"name"})
+        if updated.HasField("message_retention_duration"):
+            check_retention(updated.message_retention_duration, "message_retention_duration")
         self.broker.topics[current.name] = updated
+        self.broker.set_topic_retention(updated)
         return updated
 
     async def list_topics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         project = parse_project(request.project)
         prefix = f"projects/{project}/topics/"
         names = sorted(n for n in self.broker.topics if n.startswith(prefix))
-        page, token = _page(names, request.page_size, request.page_token)
-        return types.ListTopicsResponse.pb()(topics=[self.broker.topics[n] for n in page], next_page_token=token)
+        chosen, token = page(names, request.page_size, request.page_token)
+        return types.ListTopicsResponse.pb()(topics=[self.broker.topics[n] for n in chosen], next_page_token=token)
 
     async def list_topic_subscriptions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parse_topic(request.topic)
         names = self.broker.topic_subscriptions(request.topic)
-        page, token = _page(names, request.page_size, request.page_token)
-        return types.ListTopicSubscriptionsResponse.pb()(subscriptions=page, next_page_token=token)
+        chosen, token = page(names, request.page_size, request.page_token)
+        return types.ListTopicSubscriptionsResponse.pb()(subscriptions=chosen, next_page_token=token)
 
     async def delete_topic(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parse_topic(request.topic)
@@ -287,7 +185,7 @@ class PubsubEmulator:
     async def publish(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parse_topic(request.topic)
         self.broker.topic(request.topic)
-        _validate_messages(request)
+        validate_messages(request)
         ids = self.broker.publish(request.topic, request.messages)
         return types.PublishResponse.pb()(message_ids=ids)
 
@@ -297,15 +195,17 @@ class PubsubEmulator:
         parse_subscription(request.name)
         parse_topic(request.topic)
         if request.push_config.push_endpoint or request.HasField("bigquery_config"):
-            raise _invalid("push, BigQuery and Cloud Storage subscriptions are not supported by this emulator")
+            raise invalid("push, BigQuery and Cloud Storage subscriptions are not supported by this emulator")
         if request.filter:
-            raise _invalid("subscription filters are not supported by this emulator")
+            raise invalid("subscription filters are not supported by this emulator")
         if request.enable_exactly_once_delivery:
-            raise _invalid("exactly-once delivery is not supported by this emulator")
+            raise invalid("exactly-once delivery is not supported by this emulator")
         config = _Subscription()
         config.CopyFrom(request)
-        _validate_subscription(config)
+        validate_subscription(config)
+        config.ClearField("topic_message_retention_duration")  # output only: the topic's, set by the broker
         self.broker.add_subscription(config)
+        self.replay.start_sweeper()
         return config
 
     async def get_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -317,22 +217,26 @@ class PubsubEmulator:
         sub = self.broker.subscription(request.subscription.name)
         updated = _Subscription()
         updated.CopyFrom(sub.config)
-        _apply_mask(
+        apply_mask(
             updated,
             request.subscription,
             request.update_mask,
-            {"name", "topic", "enable_message_ordering", "enable_exactly_once_delivery", "state"},
-        )
-        _validate_subscription(updated)
+            {"name", "topic", "enable_message_ordering", "enable_exactly_once_delivery", "state",
+             "topic_message_retention_duration"},
+        )  # fmt: skip
+        validate_subscription(updated)
         sub.config = updated
+        if not updated.retain_acked_messages:
+            sub.acked.clear()
+        self.replay.expunge()  # a shorter retention applies at once
         return updated
 
     async def list_subscriptions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         project = parse_project(request.project)
         prefix = f"projects/{project}/subscriptions/"
         names = sorted(n for n in self.broker.subscriptions if n.startswith(prefix))
-        page, token = _page(names, request.page_size, request.page_token)
-        configs = [self.broker.subscriptions[n].config for n in page]
+        chosen, token = page(names, request.page_size, request.page_token)
+        configs = [self.broker.subscriptions[n].config for n in chosen]
         return types.ListSubscriptionsResponse.pb()(subscriptions=configs, next_page_token=token)
 
     async def delete_subscription(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -344,7 +248,7 @@ class PubsubEmulator:
         parse_subscription(request.subscription)
         sub = self.broker.subscription(request.subscription)
         if request.push_config.push_endpoint:
-            raise _invalid("push delivery is not supported by this emulator")
+            raise invalid("push delivery is not supported by this emulator")
         sub.config.push_config.CopyFrom(request.push_config)
         return _Empty()
 
@@ -357,7 +261,7 @@ class PubsubEmulator:
     async def acknowledge(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         sub = self._subscription(request.subscription)
         if not request.ack_ids:
-            raise _invalid("Acknowledge: ack_ids must not be empty")
+            raise invalid("Acknowledge: ack_ids must not be empty")
         self.counters.count_ack(len(request.ack_ids))
         self.broker.acknowledge(sub, request.ack_ids)
         return _Empty()
@@ -365,8 +269,8 @@ class PubsubEmulator:
     async def modify_ack_deadline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         sub = self._subscription(request.subscription)
         if not request.ack_ids:
-            raise _invalid("ModifyAckDeadline: ack_ids must not be empty")
-        _check_modack_seconds(request.ack_deadline_seconds)
+            raise invalid("ModifyAckDeadline: ack_ids must not be empty")
+        check_modack_seconds(request.ack_deadline_seconds)
         self.counters.count_modack(request.ack_deadline_seconds, len(request.ack_ids))
         self.broker.modify_deadline(sub, request.ack_ids, request.ack_deadline_seconds)
         return _Empty()
@@ -374,15 +278,15 @@ class PubsubEmulator:
     async def pull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         sub = self._subscription(request.subscription)
         if request.max_messages <= 0:
-            raise _invalid(f"Pull: max_messages must be positive (got {request.max_messages})")
-        leases = self.broker.take(sub, None, request.max_messages)
+            raise invalid(f"Pull: max_messages must be positive (got {request.max_messages})")
+        leases = self.broker.take(sub, request.max_messages)
         if not leases and not request.return_immediately:
             sub.pull_wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(sub.pull_wake.wait(), PULL_WAIT_SECONDS)
             if sub.deleted:
                 raise PubsubError(grpc.StatusCode.NOT_FOUND, f"Subscription does not exist: {sub.name}")
-            leases = self.broker.take(sub, None, request.max_messages)
+            leases = self.broker.take(sub, request.max_messages)
         response = types.PullResponse.pb()()
         _fill(response.received_messages, sub, leases)
         return response
@@ -390,7 +294,8 @@ class PubsubEmulator:
     async def streaming_pull(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """One StreamingPull stream: a reader task takes acks/modacks, this generator sends messages."""
+        """One StreamingPull stream: a reader task takes acks/modacks, this generator writes what the
+        broker's dispatcher leased to the stream (its outbox)."""
         try:
             first = await anext(requests)
         except StopAsyncIteration:
@@ -409,7 +314,7 @@ class PubsubEmulator:
                     if stream.break_code is grpc.StatusCode.OK:
                         return  # the client half-closed: it is shutting down
                     await context.abort(stream.break_code, stream.break_message)
-                leases = self.broker.take(sub, stream, 1 << 30)
+                leases = stream.next_response()
                 if leases:
                     response = _StreamingPullResponse()
                     _fill(response.received_messages, sub, leases)
@@ -423,11 +328,11 @@ class PubsubEmulator:
 
     def _open_stream(self, first: Any) -> tuple[Subscription, StreamState]:
         if not first.subscription:
-            raise _invalid("StreamingPull: the first request must name the subscription")
+            raise invalid("StreamingPull: the first request must name the subscription")
         sub = self._subscription(first.subscription)
         deadline = first.stream_ack_deadline_seconds
         if not MIN_ACK_DEADLINE_SECONDS <= deadline <= MAX_ACK_DEADLINE_SECONDS:
-            raise _invalid(
+            raise invalid(
                 f"StreamingPull: stream_ack_deadline_seconds must be between {MIN_ACK_DEADLINE_SECONDS} and "
                 f"{MAX_ACK_DEADLINE_SECONDS} (got {deadline})"
             )
@@ -437,11 +342,11 @@ class PubsubEmulator:
 
     def _stream_acks(self, sub: Subscription, request: Any) -> None:
         if len(request.modify_deadline_ack_ids) != len(request.modify_deadline_seconds):
-            raise _invalid(
+            raise invalid(
                 "StreamingPull: modify_deadline_ack_ids and modify_deadline_seconds must have the same length"
             )
         for seconds in request.modify_deadline_seconds:
-            _check_modack_seconds(seconds)
+            check_modack_seconds(seconds)
         if request.ack_ids:
             self.counters.count_ack(len(request.ack_ids))
             self.broker.acknowledge(sub, request.ack_ids)
@@ -455,13 +360,13 @@ class PubsubEmulator:
         try:
             async for request in requests:
                 if request.subscription or request.max_outstanding_messages or request.max_outstanding_bytes:
-                    raise _invalid(
+                    raise invalid(
                         "StreamingPull: subscription and max_outstanding_* may only be set in the first request"
                     )
                 if request.stream_ack_deadline_seconds:
                     deadline = request.stream_ack_deadline_seconds
                     if not MIN_ACK_DEADLINE_SECONDS <= deadline <= MAX_ACK_DEADLINE_SECONDS:
-                        raise _invalid(f"StreamingPull: stream_ack_deadline_seconds out of range (got {deadline})")
+                        raise invalid(f"StreamingPull: stream_ack_deadline_seconds out of range (got {deadline})")
                     stream.deadline_seconds = deadline
                 self._stream_acks(sub, request)
             stream.end(grpc.StatusCode.OK, "client half-closed the stream")

@@ -1,109 +1,115 @@
-"""The Pub/Sub emulator's admin routes: delivery delays, RPC counters and the lease report.
+"""The Pub/Sub emulator's admin routes (on the admin HTTP API): delays, clock, RPC counters, leases.
 
-- ``POST/GET/DELETE /pubsub/delay``: new messages become deliverable only after a delay (a fault).
-- ``GET /pubsub/counters``, ``POST /pubsub/counters/reset``: how many Acknowledge and
-  ModifyAckDeadline calls (unary, or carried on a StreamingPull stream) the clients made, and how
-  many ack ids they carried. Modacks are what a subscriber's lease management costs; counting them
-  at the server measures the official client as it is, with nothing added to it.
-- ``GET /pubsub/leases?subscription=S``: the subscription's outstanding leases, each with the
-  seconds left before it expires and the deadline changes it got. This is how long a message stays
-  hidden if its holder dies now.
-
-Bad input is HTTP 400 with ``{"error": "<field>: <reason>"}``, as on the shared admin routes.
+| route | effect |
+|---|---|
+| ``GET/POST/DELETE /pubsub/delay`` | new messages of a subscription (or all) become deliverable only after a delay |
+| ``GET/POST /pubsub/clock`` | move the emulator's clock forward, so that messages age (retention, snapshots) |
+| ``GET /pubsub/counters``, ``POST /pubsub/counters/reset`` | Acknowledge and ModifyAckDeadline calls and ack ids |
+| ``GET /pubsub/leases?subscription=S`` | outstanding leases with seconds left and extensions so far: how long a |
+| | message stays hidden if its holder dies now |
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from aiohttp import web
 
+from sidecar.emulators.pubsub_counters import RpcCounters
 from sidecar.emulators.pubsub_names import InvalidName, parse_subscription
+from sidecar.emulators.pubsub_replay import Replay
 from sidecar.emulators.pubsub_state import Broker
 
-
-@dataclass(slots=True)
-class RpcCounters:
-    """Acknowledge and ModifyAckDeadline traffic; a nack is a modack to 0 and counted apart."""
-
-    acknowledge_calls: int = 0
-    acknowledge_ack_ids: int = 0
-    modify_ack_deadline_calls: int = 0
-    """Calls that change deadlines (seconds > 0): receipt modacks and lease extensions."""
-    modify_ack_deadline_ack_ids: int = 0
-    nack_calls: int = 0
-    """ModifyAckDeadline calls with 0 seconds."""
-    nack_ack_ids: int = 0
-
-    def count_ack(self, ack_ids: int) -> None:
-        self.acknowledge_calls += 1
-        self.acknowledge_ack_ids += ack_ids
-
-    def count_modack(self, seconds: int, ack_ids: int) -> None:
-        if seconds == 0:
-            self.nack_calls += 1
-            self.nack_ack_ids += ack_ids
-        else:
-            self.modify_ack_deadline_calls += 1
-            self.modify_ack_deadline_ack_ids += ack_ids
-
-    def reset(self) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
+MAX_CLOCK_ADVANCE_SECONDS = 400 * 24 * 3600
+"""More than a year ahead has no use (31 days is the longest retention)."""
 
 
-def _error(reason: str) -> web.Response:
-    return web.json_response({"error": reason}, status=400)
+class PubsubAdmin:
+    """Handlers of the Pub/Sub admin routes over one broker."""
 
+    def __init__(self, broker: Broker, replay: Replay, counters: RpcCounters) -> None:
+        self.broker = broker
+        self.replay = replay
+        self.counters = counters
 
-def admin_routes(broker: Broker, counters: RpcCounters) -> list[web.RouteDef]:
-    async def get_delay(request: web.Request) -> web.Response:
-        return web.json_response(broker.delivery_delay_seconds)
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/pubsub/delay", self._get_delay),
+            web.post("/pubsub/delay", self._post_delay),
+            web.delete("/pubsub/delay", self._delete_delay),
+            web.get("/pubsub/clock", self._get_clock),
+            web.post("/pubsub/clock", self._post_clock),
+            web.get("/pubsub/counters", self._get_counters),
+            web.post("/pubsub/counters/reset", self._reset_counters),
+            web.get("/pubsub/leases", self._get_leases),
+        ]
 
-    async def post_delay(request: web.Request) -> web.Response:
+    # -- RPC counters and leases -------------------------------------------------------------
+
+    async def _get_counters(self, request: web.Request) -> web.Response:
+        return web.json_response(asdict(self.counters))
+
+    async def _reset_counters(self, request: web.Request) -> web.Response:
+        self.counters.reset()
+        return web.json_response(asdict(self.counters))
+
+    async def _get_leases(self, request: web.Request) -> web.Response:
+        name = request.query.get("subscription", "")
+        try:
+            parse_subscription(name)
+        except InvalidName as exc:
+            return web.json_response({"error": f"subscription: {exc}"}, status=400)
+        sub = self.broker.subscriptions.get(name)
+        if sub is None:
+            return web.json_response({"error": f"subscription: {name} does not exist"}, status=404)
+        return web.json_response(self.broker.lease_report(sub))
+
+    # -- delay deliveries --------------------------------------------------------------------
+
+    async def _get_delay(self, request: web.Request) -> web.Response:
+        return web.json_response(self.broker.delivery_delay_seconds)
+
+    async def _post_delay(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
             seconds = float(body["seconds"])
             target = str(body.get("subscription", "*"))
         except (ValueError, KeyError, TypeError) as exc:
-            return _error(f"expected JSON {{'seconds': N, 'subscription'?: name}}: {exc}")
+            reason = f"expected JSON {{'seconds': N, 'subscription'?: name}}: {exc}"
+            return web.json_response({"error": reason}, status=400)
         if not 0 <= seconds <= 3600:
-            return _error("seconds: must be between 0 and 3600")
+            return web.json_response({"error": "seconds: must be between 0 and 3600"}, status=400)
         if target != "*":
             try:
                 parse_subscription(target)
             except InvalidName as exc:
-                return _error(f"subscription: {exc}")
-        broker.delivery_delay_seconds[target] = seconds
-        return web.json_response(broker.delivery_delay_seconds)
+                return web.json_response({"error": f"subscription: {exc}"}, status=400)
+        self.broker.delivery_delay_seconds[target] = seconds
+        return web.json_response(self.broker.delivery_delay_seconds)
 
-    async def delete_delay(request: web.Request) -> web.Response:
-        broker.delivery_delay_seconds.clear()
+    async def _delete_delay(self, request: web.Request) -> web.Response:
+        self.broker.delivery_delay_seconds.clear()
         return web.json_response({})
 
-    async def get_counters(request: web.Request) -> web.Response:
-        return web.json_response(asdict(counters))
+    # -- the clock ------------------------------------------------------------------
 
-    async def reset_counters(request: web.Request) -> web.Response:
-        counters.reset()
-        return web.json_response(asdict(counters))
+    def _clock_body(self) -> dict[str, float]:
+        return {"offset_seconds": self.broker.clock_offset_ns / 1e9}
 
-    async def get_leases(request: web.Request) -> web.Response:
-        name = request.query.get("subscription", "")
+    async def _get_clock(self, request: web.Request) -> web.Response:
+        return web.json_response(self._clock_body())
+
+    async def _post_clock(self, request: web.Request) -> web.Response:
+        """Move the emulator's clock forward (never back): messages age, retention and snapshots expire."""
         try:
-            parse_subscription(name)
-        except InvalidName as exc:
-            return _error(f"subscription: {exc}")
-        sub = broker.subscriptions.get(name)
-        if sub is None:
-            return web.json_response({"error": f"subscription: {name} does not exist"}, status=404)
-        return web.json_response(broker.lease_report(sub))
-
-    return [
-        web.get("/pubsub/delay", get_delay),
-        web.post("/pubsub/delay", post_delay),
-        web.delete("/pubsub/delay", delete_delay),
-        web.get("/pubsub/counters", get_counters),
-        web.post("/pubsub/counters/reset", reset_counters),
-        web.get("/pubsub/leases", get_leases),
-    ]
+            body = await request.json()
+            seconds = float(body["advance_seconds"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"expected JSON {{'advance_seconds': N}}: {exc}"}, status=400)
+        if not 0 <= seconds <= MAX_CLOCK_ADVANCE_SECONDS:
+            return web.json_response(
+                {"error": f"advance_seconds: must be between 0 and {MAX_CLOCK_ADVANCE_SECONDS}"}, status=400
+            )
+        self.broker.clock_offset_ns += int(seconds * 1e9)
+        self.replay.expunge()
+        return web.json_response(self._clock_body())

@@ -1,7 +1,8 @@
 """Resource-name rules of the Pub/Sub emulator, as the production service enforces them.
 
 Rules (from the Pub/Sub resource-name documentation):
-- topics are ``projects/{project}/topics/{id}``, subscriptions ``projects/{project}/subscriptions/{id}``;
+- topics are ``projects/{project}/topics/{id}``, subscriptions ``projects/{project}/subscriptions/{id}``,
+  snapshots ``projects/{project}/snapshots/{id}``;
 - an id is 3-255 characters, starts with a letter, uses only ``[A-Za-z0-9-_.~+%]`` and does not start
   with ``goog``;
 - a project is non-empty and contains no ``/``.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import re
 
 _ID_RE = re.compile(r"[A-Za-z][A-Za-z0-9\-_.~+%]{2,254}")
-"""3-255 characters starting with a letter: the production rule for topic and subscription ids."""
+"""3-255 characters starting with a letter: the production rule for topic, subscription and snapshot ids."""
 
 _PROJECT_RE = re.compile(r"[^/]+")
 
@@ -50,6 +51,11 @@ def parse_topic(name: str) -> tuple[str, str]:
 def parse_subscription(name: str) -> tuple[str, str]:
     """(project, subscription id) of a subscription name; raises InvalidName."""
     return _parse(name, "subscriptions")
+
+
+def parse_snapshot(name: str) -> tuple[str, str]:
+    """(project, snapshot id) of a snapshot name; raises InvalidName."""
+    return _parse(name, "snapshots")
 
 
 def parse_project(name: str) -> str:

@@ -1,166 +1,66 @@
-"""The Pub/Sub emulator's broker: topics, subscriptions, messages, leases and their timers.
+"""The Pub/Sub emulator's broker: topics, subscriptions, messages, leases, dispatch and timers.
 
 This module knows nothing of gRPC transport; it holds raw protobuf messages handed to it by
 ``pubsub.py`` and only reads or copies them. It runs on one asyncio loop and is not thread-safe.
+Retention, snapshots and seek are in ``pubsub_replay.py``; the data classes in ``pubsub_model.py``.
 
 Invariants:
 - A published message is copied (by reference: messages are read-only once published) into every
   subscription attached to the topic at publish time; with none, it is dropped.
 - Per subscription every unacked message (a :class:`Pending`) is in exactly one place: the
-  ``available`` queue, leased (one :class:`Lease` with a fresh ack id per delivery), or waiting in
-  the timer heap for a delayed release (retry backoff or the "delay deliveries" fault).
+  ``available`` queue, leased (one :class:`Lease` with a fresh ack id per delivery), held behind
+  its ordering key, or waiting in the timer heap for a delayed release (retry backoff or the
+  "delay deliveries" fault).
 - ``unacked`` holds every unacked message in publish order, so its first entry is the oldest:
   that is what Cloud Monitoring's ``oldest_unacked_message_age`` reads.
-- A lease ends exactly once: ack (message gone), nack/modack 0 or expiry (message available again,
-  or forwarded to the dead-letter topic once ``max_delivery_attempts`` deliveries were made).
-  Stale ack ids (of an ended lease) are accepted and ignored, as production does.
+- A lease ends exactly once: ack (message gone, or kept in ``acked`` for Seek), nack/modack 0 or
+  expiry (message available again, or forwarded to the dead-letter topic once
+  ``max_delivery_attempts`` deliveries were made), or revocation by Seek. Stale ack ids (of an
+  ended lease) are accepted and ignored, as production does.
+- Dispatch spreads messages over all open streams of a subscription that have flow-control room,
+  round-robin from a rotating start, each getting an equal share of what is available (as
+  production does; the first stream to wake does not get everything). Dispatch runs once per
+  loop iteration at most, after whatever made messages available or freed room.
+- With ``enable_message_ordering``, a message with an ordering key is leased only while no other
+  message of its key is leased or waiting out a backoff; the rest of the key waits in ``held`` in
+  publish order. A nack or expiry puts the message back in front of them, so the key is
+  redelivered from that message on, in order.
 - Expiry and delayed releases share one heap ordered by loop time, served by a single timer
   handle; superseded heap entries are skipped when they come due, so a modack costs O(log n).
-- A stream's flow-control budget counts its live leases; ending a lease frees it and wakes the
-  stream. A stream always gets at least one message when it has none outstanding.
+- A stream's flow-control budget counts its live leases (written or still in its outbox);
+  ending a lease frees it. A stream always gets at least one message when it has none outstanding.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-_LOGGER = logging.getLogger(__name__)
+from sidecar.emulators.pubsub_model import (
+    MAX_MESSAGES_PER_RESPONSE,
+    MAX_RESPONSE_BYTES,
+    RESPONSE_OVERHEAD_BYTES,
+    Backlog,
+    Lease,
+    Pending,
+    PubsubError,
+    Snapshot,
+    StreamState,
+    Subscription,
+)
+from sidecar.emulators.pubsub_timers import TimerHeap
 
-MIN_ACK_DEADLINE_SECONDS = 10
-MAX_ACK_DEADLINE_SECONDS = 600
-DEFAULT_MAX_DELIVERY_ATTEMPTS = 5
-"""Production's value when a dead-letter policy leaves ``max_delivery_attempts`` at 0."""
-MAX_RESPONSE_BYTES = 3 * 1024 * 1024 + 512 * 1024
-"""Stay below the 4 MiB receive limit of the client's emulator channel, with room for framing."""
-MAX_MESSAGES_PER_RESPONSE = 1000
-"""Bounds one StreamingPull/Pull response so a large backlog is spread over several writes."""
+_LOGGER = logging.getLogger(__name__)
 
 _LEASE = 0
 _RELEASE = 1
-
-
-class PubsubError(Exception):
-    """A request the real service would refuse, with its status code and message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(slots=True, eq=False)
-class Pending:
-    """One message in one subscription, from publish until ack or dead-lettering."""
-
-    seq: int
-    message: Any
-    """The raw ``google.pubsub.v1.PubsubMessage``, shared by all subscriptions, never mutated."""
-    publish_time_ns: int
-    size: int
-    attempts: int = 0
-    """Deliveries so far: 1 + nacks + expiries once delivered (``delivery_attempt``)."""
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    """One delivery of a message; its ack id is never reused."""
-
-    ack_id: str
-    subscription: Subscription
-    pending: Pending
-    deadline: float
-    stream: StreamState | None
-    active: bool = True
-    extensions: int = 0
-    """Deadline changes (modacks > 0) since delivery, for the admin API's lease report."""
-
-
-@dataclass(slots=True, eq=False)
-class StreamState:
-    """Flow control and control flags of one open StreamingPull stream."""
-
-    subscription: Subscription
-    deadline_seconds: int
-    max_messages: int
-    max_bytes: int
-    outstanding_messages: int = 0
-    outstanding_bytes: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    closed: bool = False
-    break_code: grpc.StatusCode | None = None
-    break_message: str = ""
-
-    def can_take(self, size: int) -> bool:
-        if self.outstanding_messages == 0:
-            return True  # always allow one message, whatever its size
-        if 0 < self.max_messages <= self.outstanding_messages:
-            return False
-        return not (self.max_bytes > 0 and self.outstanding_bytes + size > self.max_bytes)
-
-    def end(self, code: grpc.StatusCode, message: str) -> None:
-        if self.break_code is None:
-            self.break_code = code
-            self.break_message = message
-        self.wake.set()
-
-
-@dataclass(slots=True, eq=False)
-class Subscription:
-    """A subscription's configuration (raw ``Subscription`` proto) and its message state."""
-
-    config: Any
-    unacked: dict[int, Pending] = field(default_factory=dict)
-    available: deque[Pending] = field(default_factory=deque)
-    leases: dict[str, Lease] = field(default_factory=dict)
-    streams: set[StreamState] = field(default_factory=set)
-    pull_wake: asyncio.Event = field(default_factory=asyncio.Event)
-    deleted: bool = False
-
-    @property
-    def name(self) -> str:
-        return str(self.config.name)
-
-    @property
-    def ack_deadline_seconds(self) -> int:
-        return int(self.config.ack_deadline_seconds) or MIN_ACK_DEADLINE_SECONDS
-
-    @property
-    def max_delivery_attempts(self) -> int:
-        """0 without a dead-letter policy (then ``delivery_attempt`` is not reported)."""
-        if not self.config.HasField("dead_letter_policy") or not self.config.dead_letter_policy.dead_letter_topic:
-            return 0
-        return int(self.config.dead_letter_policy.max_delivery_attempts) or DEFAULT_MAX_DELIVERY_ATTEMPTS
-
-    @property
-    def retry_backoff_seconds(self) -> float:
-        if not self.config.HasField("retry_policy"):
-            return 0.0
-        backoff = self.config.retry_policy.minimum_backoff
-        seconds: float = backoff.seconds + backoff.nanos / 1e9
-        return seconds
-
-    def notify(self) -> None:
-        for stream in self.streams:
-            stream.wake.set()
-        self.pull_wake.set()
-
-
-@dataclass(frozen=True, slots=True)
-class Backlog:
-    """What Cloud Monitoring reports for one subscription with unacked messages."""
-
-    oldest_publish_time_ns: int
-    num_undelivered: int
 
 
 class Broker:
@@ -168,17 +68,35 @@ class Broker:
 
     def __init__(self, wall_clock_ns: Callable[[], int] = time.time_ns) -> None:
         self._wall_clock_ns = wall_clock_ns
+        self.clock_offset_ns = 0
+        """Admin API: how far the emulator's clock runs ahead of the wall clock (to age messages in tests)."""
         self.topics: dict[str, Any] = {}
         self.subscriptions: dict[str, Subscription] = {}
+        self.snapshots: dict[str, Snapshot] = {}
         self._topic_subs: dict[str, set[str]] = {}
+        self.topic_snapshots: dict[str, set[str]] = {}
+        self.iam_policies: dict[str, Any] = {}
+        """Resource name -> its IAM policy (raw ``google.iam.v1.Policy``); gone with the resource."""
+        self.topic_logs: dict[str, deque[tuple[Any, int, int]]] = {}
+        """Topics with message retention: (message, publish ns, size) of what they retain, in publish order."""
         self._seq = itertools.count(1)
         self._ack_seq = itertools.count(1)
         self._message_ids = itertools.count(1)
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_when = 0.0
+        self._timers = TimerHeap(self._on_due)
+        self._to_dispatch: dict[Subscription, None] = {}
+        self._dispatch_handle: asyncio.Handle | None = None
         self.delivery_delay_seconds: dict[str, float] = {}
         """Fault: subscription name (or "*") -> seconds every new message waits before it is deliverable."""
+
+    def now_ns(self) -> int:
+        """The emulator's clock: publish times, retention, snapshot expiry and Monitoring samples read it.
+
+        The wall clock plus the offset the admin API can move forward; lease deadlines do not use it
+        (they run on the event loop's monotonic clock)."""
+        return self._wall_clock_ns() + self.clock_offset_ns
+
+    def next_seq(self) -> int:
+        return next(self._seq)
 
     # -- topics and subscriptions ------------------------------------------------------------
 
@@ -187,6 +105,21 @@ class Broker:
             raise PubsubError(grpc.StatusCode.ALREADY_EXISTS, f"Topic already exists: {config.name}")
         self.topics[config.name] = config
         self._topic_subs.setdefault(config.name, set())
+        self.set_topic_retention(config)
+
+    def set_topic_retention(self, config: Any) -> None:
+        """Start or stop keeping a topic's messages, and show its retention on its subscriptions."""
+        retained = config.HasField("message_retention_duration")
+        if retained:
+            self.topic_logs.setdefault(config.name, deque())
+        else:
+            self.topic_logs.pop(config.name, None)
+        for sub_name in self._topic_subs.get(config.name, ()):
+            sub_config = self.subscriptions[sub_name].config
+            if retained:
+                sub_config.topic_message_retention_duration.CopyFrom(config.message_retention_duration)
+            else:
+                sub_config.ClearField("topic_message_retention_duration")
 
     def topic(self, name: str) -> Any:
         try:
@@ -197,9 +130,14 @@ class Broker:
     def delete_topic(self, name: str, deleted_marker: str) -> None:
         self.topic(name)
         del self.topics[name]
-        # Production keeps the subscriptions and reports their topic as deleted.
+        self.topic_logs.pop(name, None)
+        self.iam_policies.pop(name, None)
+        # Production keeps the subscriptions (and snapshots) and reports their topic as deleted.
         for sub_name in self._topic_subs.pop(name, set()):
             self.subscriptions[sub_name].config.topic = deleted_marker
+            self.subscriptions[sub_name].config.ClearField("topic_message_retention_duration")
+        for snapshot_name in self.topic_snapshots.pop(name, set()):
+            self.snapshots[snapshot_name].config.topic = deleted_marker
 
     def topic_subscriptions(self, name: str) -> list[str]:
         self.topic(name)
@@ -208,8 +146,10 @@ class Broker:
     def add_subscription(self, config: Any) -> Subscription:
         if config.name in self.subscriptions:
             raise PubsubError(grpc.StatusCode.ALREADY_EXISTS, f"Subscription already exists: {config.name}")
-        self.topic(config.topic)
-        sub = Subscription(config=config)
+        topic = self.topic(config.topic)
+        if topic.HasField("message_retention_duration"):
+            config.topic_message_retention_duration.CopyFrom(topic.message_retention_duration)
+        sub = Subscription(config=config, created_ns=self.now_ns())
         self.subscriptions[config.name] = sub
         self._topic_subs[config.topic].add(config.name)
         return sub
@@ -223,13 +163,16 @@ class Broker:
     def delete_subscription(self, name: str) -> None:
         sub = self.subscription(name)
         del self.subscriptions[name]
+        self.iam_policies.pop(name, None)
         self._topic_subs.get(sub.config.topic, set()).discard(name)
         sub.deleted = True
         for lease in sub.leases.values():
             lease.active = False
         sub.leases.clear()
         sub.unacked.clear()
+        sub.acked.clear()
         sub.available.clear()
+        sub.held.clear()
         for stream in list(sub.streams):
             stream.end(grpc.StatusCode.NOT_FOUND, f"Subscription does not exist: {name}")
         sub.pull_wake.set()
@@ -240,7 +183,9 @@ class Broker:
         """Assign ids and publish time to ``messages`` (mutated in place) and fan them out."""
         self.topic(topic_name)
         subs = [self.subscriptions[n] for n in self._topic_subs.get(topic_name, ())]
-        now_ns = self._wall_clock_ns()
+        log = self.topic_logs.get(topic_name)
+        snapshots = [self.snapshots[n] for n in self.topic_snapshots.get(topic_name, ())]
+        now_ns = self.now_ns()
         seconds, nanos = divmod(now_ns, 1_000_000_000)
         ids: list[str] = []
         for message in messages:
@@ -249,33 +194,49 @@ class Broker:
             message.publish_time.seconds = seconds
             message.publish_time.nanos = nanos
             ids.append(message_id)
-            if subs:
+            if subs or log is not None:
                 size = message.ByteSize()
                 for sub in subs:
                     self._enqueue(sub, Pending(next(self._seq), message, now_ns, size))
+                if log is not None:
+                    log.append((message, now_ns, size))
+            for snapshot in snapshots:
+                snapshot.messages[message_id] = (message, now_ns)
         for sub in subs:
-            sub.notify()
+            self.notify(sub)
         return ids
 
     def _enqueue(self, sub: Subscription, pending: Pending) -> None:
         sub.unacked[pending.seq] = pending
         delay = self.delivery_delay_seconds.get(sub.name, self.delivery_delay_seconds.get("*", 0.0))
         if delay > 0:
-            self._push(self._now() + delay, _RELEASE, (sub, pending))
+            self._push_release(sub, pending, delay)
         else:
             sub.available.append(pending)
 
-    # -- delivery --------------------------------------------------------------------------------
+    # -- streams and dispatch ------------------------------------------------------------------
 
     def open_stream(self, sub: Subscription, deadline_seconds: int, max_messages: int, max_bytes: int) -> StreamState:
         stream = StreamState(sub, deadline_seconds, max_messages, max_bytes)
-        sub.streams.add(stream)
+        sub.streams[stream] = None
+        self.notify(sub)
         return stream
 
     def close_stream(self, stream: StreamState) -> None:
-        # Leases of a closed stream stay valid (the client acks through unary calls) until they expire.
+        """Forget a stream. Leases it wrote stay valid (the client acks through unary calls) until they
+        expire; leases still in its outbox were never delivered and are given back at once."""
         stream.closed = True
-        stream.subscription.streams.discard(stream)
+        sub = stream.subscription
+        sub.streams.pop(stream, None)
+        unsent = [lease for lease in stream.outbox if lease.active]
+        stream.outbox.clear()
+        for lease in reversed(unsent):
+            del sub.leases[lease.ack_id]
+            lease.active = False
+            lease.pending.attempts -= 1
+            self._put_back(sub, lease.pending, front=True)
+        if unsent:
+            self.notify(sub)
 
     def break_streams(self, code: grpc.StatusCode, message: str) -> int:
         streams = [s for sub in self.subscriptions.values() for s in sub.streams]
@@ -283,19 +244,74 @@ class Broker:
             stream.end(code, message)
         return len(streams)
 
-    def take(self, sub: Subscription, stream: StreamState | None, max_messages: int) -> list[Lease]:
-        """Lease available messages to ``stream`` (None: a unary Pull) within its budget and one response."""
+    def notify(self, sub: Subscription) -> None:
+        """Something became available or room was freed: dispatch (once per loop iteration) and wake Pulls."""
+        sub.pull_wake.set()
+        if not sub.streams or sub in self._to_dispatch:
+            return
+        self._to_dispatch[sub] = None
+        if self._dispatch_handle is None:
+            self._dispatch_handle = asyncio.get_running_loop().call_soon(self._dispatch_all)
+
+    def _dispatch_all(self) -> None:
+        self._dispatch_handle = None
+        pending, self._to_dispatch = self._to_dispatch, {}
+        for sub in pending:
+            if not sub.deleted:
+                self.dispatch(sub)
+
+    def dispatch(self, sub: Subscription) -> None:
+        """Lease available messages to the open streams with room: equal shares, round-robin."""
+        if not sub.available or not sub.streams:
+            return
+        streams = list(sub.streams)
+        start = sub.next_stream % len(streams)
+        sub.next_stream = start + 1  # the next dispatch starts one stream further on
+        ready = [s for s in streams[start:] + streams[:start] if s.is_open and s.has_room()]
+        now = self._now()
+        # Rounds of equal shares: a stream that filled up (or got nothing: what is left does not fit
+        # its budget, or is held behind busy keys) drops out and the rest share what remains.
+        while ready and sub.available:
+            share = -(-len(sub.available) // len(ready))  # ceil: nobody waits for a remainder
+            still_ready: list[StreamState] = []
+            for stream in ready:
+                leases = self._lease_batch(sub, stream, share, now, unbounded=True)
+                if leases:
+                    stream.outbox.extend(leases)
+                    stream.wake.set()
+                    if stream.has_room():
+                        still_ready.append(stream)
+                if not sub.available:
+                    break
+            ready = still_ready
+
+    def take(self, sub: Subscription, max_messages: int) -> list[Lease]:
+        """A unary Pull: lease up to ``max_messages`` available messages, within one response."""
         if sub.deleted or not sub.available:
             return []
-        deadline_seconds = stream.deadline_seconds if stream is not None else sub.ack_deadline_seconds
-        deadline = self._now() + deadline_seconds
-        limit = min(max_messages, MAX_MESSAGES_PER_RESPONSE)
+        return self._lease_batch(sub, None, min(max_messages, MAX_MESSAGES_PER_RESPONSE), self._now(), False)
+
+    def _lease_batch(
+        self, sub: Subscription, stream: StreamState | None, limit: int, now: float, unbounded: bool
+    ) -> list[Lease]:
+        """Lease up to ``limit`` messages from the front of ``available`` to ``stream`` (None: a Pull).
+
+        Stream leases are bounded by its flow control; a Pull's by one response's size (streams cut
+        their outbox into responses themselves, so ``unbounded`` skips that check)."""
+        deadline = now + (stream.deadline_seconds if stream is not None else sub.ack_deadline_seconds)
         leases: list[Lease] = []
         response_bytes = 0
         available = sub.available
+        ordered = sub.is_ordered
         while available and len(leases) < limit:
             pending = available[0]
-            if leases and response_bytes + pending.size > MAX_RESPONSE_BYTES:
+            if ordered and pending.message.ordering_key:
+                key = pending.message.ordering_key
+                if key in sub.busy_keys:
+                    available.popleft()
+                    sub.held.setdefault(key, deque()).append(pending)
+                    continue
+            if not unbounded and leases and response_bytes + pending.size > MAX_RESPONSE_BYTES:
                 break
             if stream is not None:
                 if not stream.can_take(pending.size):
@@ -303,7 +319,9 @@ class Broker:
                 stream.outstanding_messages += 1
                 stream.outstanding_bytes += pending.size
             available.popleft()
-            response_bytes += pending.size + 64
+            if ordered and pending.message.ordering_key:
+                sub.busy_keys.add(pending.message.ordering_key)
+            response_bytes += pending.size + RESPONSE_OVERHEAD_BYTES
             pending.attempts += 1
             lease = Lease(f"{next(self._ack_seq):x}-{pending.seq:x}", sub, pending, deadline, stream)
             sub.leases[lease.ack_id] = lease
@@ -312,13 +330,21 @@ class Broker:
             self._push(deadline, _LEASE, lease)
         return leases
 
+    # -- acks and deadlines ------------------------------------------------------------------------
+
     def acknowledge(self, sub: Subscription, ack_ids: Iterable[str]) -> None:
+        retain = sub.config.retain_acked_messages
         for ack_id in ack_ids:
             lease = sub.leases.pop(ack_id, None)
             if lease is None:
                 continue  # stale or unknown: production ignores it
             self._end_lease(lease)
-            sub.unacked.pop(lease.pending.seq, None)
+            pending = lease.pending
+            sub.unacked.pop(pending.seq, None)
+            if retain:
+                sub.acked[pending.seq] = pending
+            if sub.is_ordered and pending.message.ordering_key:
+                self._free_key(sub, pending.message.ordering_key, None)
 
     def modify_deadline(self, sub: Subscription, ack_ids: Iterable[str], seconds: int) -> None:
         if seconds == 0:
@@ -337,27 +363,22 @@ class Broker:
                 lease.extensions += 1
                 self._push(deadline, _LEASE, lease)
 
-    def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
-        """The subscription's live leases: message id, attempt, seconds left and modacks so far."""
-        now = self._now()
-        return [
-            {
-                "ack_id": lease.ack_id,
-                "message_id": lease.pending.message.message_id,
-                "delivery_attempt": lease.pending.attempts,
-                "seconds_left": round(lease.deadline - now, 3),
-                "extensions": lease.extensions,
-            }
-            for lease in sub.leases.values()
-        ]
-
     def _end_lease(self, lease: Lease) -> None:
         lease.active = False
         stream = lease.stream
         if stream is not None and not stream.closed:
             stream.outstanding_messages -= 1
             stream.outstanding_bytes -= lease.pending.size
-            stream.wake.set()
+            if lease.subscription.available:
+                self.notify(lease.subscription)
+
+    def revoke_leases(self, sub: Subscription) -> None:
+        """End every lease without redelivering (Seek rebuilds the backlog); their ack ids go stale."""
+        for lease in sub.leases.values():
+            self._end_lease(lease)
+        sub.leases.clear()
+        sub.busy_keys.clear()
+        sub.held.clear()
 
     def _redeliver(self, sub: Subscription, pending: Pending) -> None:
         """After a nack or an expiry: dead-letter after the last attempt, else make it available again."""
@@ -365,13 +386,37 @@ class Broker:
         if max_attempts and pending.attempts >= max_attempts:
             sub.unacked.pop(pending.seq, None)
             self._dead_letter(sub, pending)
+            if sub.is_ordered and pending.message.ordering_key:
+                self._free_key(sub, pending.message.ordering_key, None)
             return
         backoff = sub.retry_backoff_seconds
         if backoff > 0:
-            self._push(self._now() + backoff, _RELEASE, (sub, pending))
+            self._push_release(sub, pending, backoff)  # an ordering key stays busy meanwhile
             return
-        sub.available.append(pending)
-        sub.notify()
+        self._put_back(sub, pending, front=sub.is_ordered)
+        self.notify(sub)
+
+    def _put_back(self, sub: Subscription, pending: Pending, front: bool) -> None:
+        """Make a message that was leased (or waited) available again; its key, if busy, goes first."""
+        key = pending.message.ordering_key
+        if sub.is_ordered and key:
+            self._free_key(sub, key, pending)
+        elif front:
+            sub.available.appendleft(pending)
+        else:
+            sub.available.append(pending)
+
+    def _free_key(self, sub: Subscription, key: str, first: Pending | None) -> None:
+        """An ordering key's message was acked or given back: its held messages (after ``first``) go
+        to the front of the queue, in publish order, ahead of anything published later."""
+        sub.busy_keys.discard(key)
+        held = sub.held.pop(key, None)
+        if held:
+            sub.available.extendleft(reversed(held))
+        if first is not None:
+            sub.available.appendleft(first)
+        if held or first is not None:
+            self.notify(sub)
 
     def _dead_letter(self, sub: Subscription, pending: Pending) -> None:
         topic_name = sub.config.dead_letter_policy.dead_letter_topic
@@ -400,33 +445,43 @@ class Broker:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _push(self, when: float, kind: int, obj: Any) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), kind, obj))
-        if self._timer is None or when < self._timer_when:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_when = when
-            self._timer = asyncio.get_running_loop().call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
+    def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """The subscription's live leases: message id, attempt, seconds left and modacks so far."""
         now = self._now()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            when, _, kind, obj = heapq.heappop(heap)
-            if kind == _LEASE:
-                lease: Lease = obj
-                if not lease.active or lease.deadline != when:
-                    continue  # acked, nacked or extended since this entry was pushed
+        return [
+            {
+                "ack_id": lease.ack_id,
+                "message_id": lease.pending.message.message_id,
+                "delivery_attempt": lease.pending.attempts,
+                "seconds_left": round(lease.deadline - now, 3),
+                "extensions": lease.extensions,
+            }
+            for lease in sub.leases.values()
+        ]
+
+    def _push_release(self, sub: Subscription, pending: Pending, delay_seconds: float) -> None:
+        pending.release_token += 1
+        self._push(self._now() + delay_seconds, _RELEASE, (sub, pending, pending.release_token))
+
+    def _push(self, when: float, kind: int, obj: Any) -> None:
+        self._timers.push(when, kind, obj)
+
+    def _on_due(self, when: float, kind: int, obj: Any) -> None:
+        if kind == _LEASE:
+            lease: Lease = obj
+            if lease.active and lease.deadline == when:  # else acked, nacked or extended since
                 self._expire(lease)
+            return
+        sub, pending, token = obj
+        # Skipped when the subscription is gone, the message was acked or expunged since, or a
+        # Seek rebuilt the backlog (a new Pending) or re-armed the release.
+        if not sub.deleted and sub.unacked.get(pending.seq) is pending and pending.release_token == token:
+            pending.release_token += 1
+            if pending.attempts == 0:
+                sub.available.append(pending)  # a delayed new message: dispatch holds its key if busy
             else:
-                sub_released, pending = obj
-                if not sub_released.deleted and pending.seq in sub_released.unacked:
-                    sub_released.available.append(pending)
-                    sub_released.notify()
-        if heap:
-            self._timer_when = heap[0][0]
-            self._timer = asyncio.get_running_loop().call_at(self._timer_when, self._on_timer)
+                self._put_back(sub, pending, front=False)  # after a backoff: frees its key
+            self.notify(sub)
 
     def _expire(self, lease: Lease) -> None:
         sub = lease.subscription
@@ -436,10 +491,10 @@ class Broker:
         self._redeliver(sub, lease.pending)
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._heap.clear()
+        self._timers.close()
+        if self._dispatch_handle is not None:
+            self._dispatch_handle.cancel()
+            self._dispatch_handle = None
 
     # -- monitoring ------------------------------------------------------------------------------
 

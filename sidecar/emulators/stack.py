@@ -121,7 +121,10 @@ class EmulatorStack:
             self.firestore_host = await self._serve("firestore", firestore.add_to_server)
             extra_routes.extend(firestore.admin_routes())
 
-        monitoring = MonitoringEmulator(pubsub.backlogs, self._metric_period, self._metric_delay)
+        # One clock for both: the backlog ages Monitoring reports follow the Pub/Sub emulator's clock.
+        monitoring = MonitoringEmulator(
+            pubsub.backlogs, self._metric_period, self._metric_delay, wall_clock_ns=pubsub.broker.now_ns
+        )
         self.monitoring = monitoring
         self._cleanups.append(monitoring.close)
         self.monitoring_host = await self._serve("monitoring", monitoring.add_to_server)

@@ -74,9 +74,11 @@ class Scenario:
         self.sidecars: list[SidecarProcess] = []
         self.apps: list[App] = []
 
-    def add_subscription(self, name: str, *, dead_letter: bool = True, **entry: Any) -> Sub:
+    def add_subscription(
+        self, name: str, *, dead_letter: bool = True, message_ordering: bool = False, **entry: Any
+    ) -> Sub:
         topic = self.pubsub.topic(name)
-        subscription = self.pubsub.subscription(topic)
+        subscription = self.pubsub.subscription(topic, enable_message_ordering=message_ordering)
         dl_topic = dl_sub = None
         if dead_letter:
             dl_topic = self.pubsub.topic(f"{name}-dl")

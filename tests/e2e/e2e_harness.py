@@ -386,10 +386,17 @@ def write_config(path: Path, *, listen: str, root: str, subscriptions: list[dict
 # ---- Pub/Sub through the official clients ---------------------------------------------------------
 
 
+_ENV_LOCK = threading.Lock()
+
+
 @contextmanager
 def emulator_env(env: Mapping[str, str]) -> Iterator[None]:
-    """The official clients read ``PUBSUB_EMULATOR_HOST`` at construction: set it just for that."""
-    with mock.patch.dict(os.environ, dict(env)):
+    """The official clients read ``PUBSUB_EMULATOR_HOST`` at construction: set it just for that.
+
+    Serialised: ``patch.dict`` restores the environment it saw on entry, so two threads patching at
+    once would leave the variable set for good (and later suites would take it for an external
+    emulator)."""
+    with _ENV_LOCK, mock.patch.dict(os.environ, dict(env)):
         yield
 
 
@@ -404,22 +411,45 @@ class PubSub:
     """Topics, subscriptions, publishing and pulling on the emulator, with the official clients."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = dict(env)
         with emulator_env(env):
             self.publisher = pubsub_v1.PublisherClient()
             self.subscriber = pubsub_v1.SubscriberClient()
+        self._ordered_publisher: Any = None
 
     def close(self) -> None:
         self.publisher.stop()
+        if self._ordered_publisher is not None:
+            self._ordered_publisher.stop()
         self.subscriber.close()
+
+    @property
+    def ordered_publisher(self) -> Any:
+        """A publisher with message ordering enabled (needed to publish with ordering keys), made on
+        first use: ``emulator_env`` patches the process environment, so no more clients are built
+        in ``__init__`` than every test needs (tests build ``PubSub`` objects in parallel threads)."""
+        if self._ordered_publisher is None:
+            with emulator_env(self._env):
+                self._ordered_publisher = pubsub_v1.PublisherClient(
+                    publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+                )
+        return self._ordered_publisher
 
     def topic(self, prefix: str) -> str:
         path = f"projects/{PROJECT}/topics/{prefix}-{uuid.uuid4().hex[:8]}"
         self.publisher.create_topic(name=path)
         return path
 
-    def subscription(self, topic: str, ack_deadline_seconds: int = 10) -> str:
+    def subscription(self, topic: str, ack_deadline_seconds: int = 10, enable_message_ordering: bool = False) -> str:
         path = topic.replace("/topics/", "/subscriptions/")
-        self.subscriber.create_subscription(name=path, topic=topic, ack_deadline_seconds=ack_deadline_seconds)
+        self.subscriber.create_subscription(
+            request={
+                "name": path,
+                "topic": topic,
+                "ack_deadline_seconds": ack_deadline_seconds,
+                "enable_message_ordering": enable_message_ordering,
+            }
+        )
         return path
 
     async def publish(self, topic: str, data: bytes, **attributes: str) -> str:
@@ -429,6 +459,12 @@ class PubSub:
     async def publish_all(self, topic: str, messages: list[tuple[bytes, dict[str, str]]]) -> list[str]:
         """Publish in the given order (the client batches them); returns the message ids."""
         futures = [self.publisher.publish(topic, data, **attrs) for data, attrs in messages]
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def publish_ordered(self, topic: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[str]:
+        """Publish (ordering key, data, attributes) in the given order with the ordering publisher."""
+        publish = self.ordered_publisher.publish
+        futures = [publish(topic, data, ordering_key=key, **attrs) for key, data, attrs in messages]
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     def pull_available(self, subscription: str) -> list[Pulled]:

@@ -23,15 +23,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
+from pubsub_clients import PrivateEmulators
 
 _START_TIMEOUT_SECONDS = 60.0
 _STOP_TIMEOUT_SECONDS = 20.0
 METRIC_PERIOD_SECONDS = 1.0
 METRIC_DELAY_SECONDS = 2.0
+# Read when pytest loads this file, before any test runs: what the user pointed the suite at, not
+# what another suite's test may have left in the environment.
+_EXTERNAL_PUBSUB_HOST = os.environ.get("PUBSUB_EMULATOR_HOST")
+_EXTERNAL_MONITORING_HOST = os.environ.get("MONITORING_EMULATOR_HOST")
 
 
 @dataclass(frozen=True)
@@ -87,14 +93,8 @@ def _read_exports(proc: subprocess.Popen[str]) -> dict[str, str]:
     return exports
 
 
-@pytest.fixture(scope="session")
-def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulators]:
-    project = os.environ.get("GOOGLE_CLOUD_PROJECT", "conformance-test")
-    external = os.environ.get("PUBSUB_EMULATOR_HOST")
-    if external:
-        yield Emulators(external, os.environ.get("MONITORING_EMULATOR_HOST"), None, project)
-        return
-    log_path: Path = tmp_path_factory.mktemp("emulators") / "stderr.log"
+def _start(log_path: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """``python -m sidecar emulators`` on port 0; returns the process and the variables it exported."""
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [
@@ -106,23 +106,62 @@ def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulators]:
             stderr=log,
             text=True,
         )  # fmt: skip
+    try:
+        return proc, _read_exports(proc)
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(_STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@pytest.fixture(scope="session")
+def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulators]:
+    project = os.environ.get("GOOGLE_CLOUD_PROJECT", "conformance-test")
+    external = _EXTERNAL_PUBSUB_HOST
+    if external:
+        yield Emulators(external, _EXTERNAL_MONITORING_HOST, None, project)
+        return
+    log_path: Path = tmp_path_factory.mktemp("emulators") / "stderr.log"
+    proc, exports = _start(log_path)
     monkeypatch = pytest.MonkeyPatch()
     try:
-        exports = _read_exports(proc)
         for name in ("PUBSUB_EMULATOR_HOST", "MONITORING_EMULATOR_HOST"):
             monkeypatch.setenv(name, exports[name])
         yield Emulators(exports["PUBSUB_EMULATOR_HOST"], exports["MONITORING_EMULATOR_HOST"],
                         exports["EMULATORS_ADMIN_URL"], project)  # fmt: skip
     finally:
         monkeypatch.undo()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            returncode = proc.wait(_STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
+        returncode = _stop(proc)
     assert returncode == 0, f"emulators exited with {returncode}; stderr in {log_path}"
+
+
+@pytest.fixture(scope="module")
+def private_emulators(emulators: Emulators, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateEmulators]:
+    """A separate emulators process, so that what a module does to its clock reaches no other test."""
+    emulators.require_admin()
+    log_path: Path = tmp_path_factory.mktemp("private-emulators") / "stderr.log"
+    proc, exports = _start(log_path)
+    try:
+        # The clients read PUBSUB_EMULATOR_HOST when they are built.
+        with mock.patch.dict(os.environ, {"PUBSUB_EMULATOR_HOST": exports["PUBSUB_EMULATOR_HOST"]}):
+            publisher = pubsub_v1.PublisherClient()
+            subscriber = pubsub_v1.SubscriberClient()
+        own = Emulators(exports["PUBSUB_EMULATOR_HOST"], exports["MONITORING_EMULATOR_HOST"],
+                        exports["EMULATORS_ADMIN_URL"], emulators.project)  # fmt: skip
+        yield PrivateEmulators(own, publisher, subscriber)
+        subscriber.close()
+    finally:
+        returncode = _stop(proc)
+    assert returncode == 0, f"private emulators exited with {returncode}; stderr in {log_path}"
 
 
 @pytest.fixture(scope="session")

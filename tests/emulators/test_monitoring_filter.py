@@ -15,7 +15,7 @@ from sidecar.emulators.monitoring import (
     Query,
     parse_filter,
 )
-from sidecar.emulators.pubsub_state import Backlog
+from sidecar.emulators.pubsub_model import Backlog
 
 SECOND = 1_000_000_000
 

@@ -2,63 +2,21 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from google.api_core import exceptions
 from google.cloud import pubsub_v1
 from google.pubsub_v1 import types
+from pubsub_clients import Inbox, subscribed
 
 pytestmark = [
     pytest.mark.timeout(120),
     # The GAPIC publish (no client-side size check) is only reachable through the deprecated `api`.
     pytest.mark.filterwarnings('ignore:The "api" property:DeprecationWarning'),
 ]
-
-
-class Inbox:
-    """Thread-safe record of what a subscriber callback saw; ``should_ack`` decides ack or nack."""
-
-    def __init__(self, should_ack: Callable[[Any], bool] = lambda message: True) -> None:
-        self._should_ack = should_ack
-        self._cond = threading.Condition()
-        self.messages: list[Any] = []
-        self.arrived_at: list[float] = []
-
-    def __call__(self, message: Any) -> None:
-        with self._cond:
-            self.messages.append(message)
-            self.arrived_at.append(time.monotonic())
-            self._cond.notify_all()
-        if self._should_ack(message):
-            message.ack()
-        else:
-            message.nack()
-
-    def wait_for(self, predicate: Callable[[list[Any]], bool], timeout: float, what: str) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: predicate(self.messages), timeout):
-                pytest.fail(f"timed out after {timeout} s waiting for {what}; got {len(self.messages)} messages")
-
-    def data(self) -> list[bytes]:
-        with self._cond:
-            return [m.data for m in self.messages]
-
-
-@contextmanager
-def subscribed(subscriber: Any, subscription: str, inbox: Inbox, **flow: Any) -> Iterator[Any]:
-    """Run ``subscriber.subscribe`` for the block; stop it and wait for its threads afterwards."""
-    future = subscriber.subscribe(subscription, inbox, flow_control=pubsub_v1.types.FlowControl(**flow) if flow else ())
-    try:
-        yield future
-    finally:
-        future.cancel()
-        future.result(timeout=30)
 
 
 def dead_letter_policy(topic: str, attempts: int = 5) -> dict[str, Any]:

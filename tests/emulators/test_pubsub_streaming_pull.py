@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from google.api_core import exceptions
 from google.pubsub_v1 import types
+from pubsub_clients import Requests, first_request
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Requests:
-    """A request iterator the test feeds; ``close()`` half-closes the stream."""
-
-    def __init__(self, first: types.StreamingPullRequest) -> None:
-        self._queue: queue.Queue[types.StreamingPullRequest | None] = queue.Queue()
-        self._queue.put(first)
-
-    def send(self, request: types.StreamingPullRequest) -> None:
-        self._queue.put(request)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def __iter__(self) -> Iterator[types.StreamingPullRequest]:
-        while (request := self._queue.get()) is not None:
-            yield request
-
-
-def first_request(subscription: str, **fields: Any) -> types.StreamingPullRequest:
-    return types.StreamingPullRequest(subscription=subscription, stream_ack_deadline_seconds=60, **fields)
 
 
 def publish_all(resources: Any, topic: str, payloads: list[bytes]) -> None:
