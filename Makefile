@@ -23,8 +23,8 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar tests bench scripts clients/python
+	$(VENV)/bin/mypy
 
-# Not yet part of lint/test: sidecar/store*, runtime, engine and deadletter are being reworked.
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 

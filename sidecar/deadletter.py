@@ -196,7 +196,7 @@ class DeadLetterPublisher:
                 _LOGGER.warning("%d dead-letter publishes still in flight at close", len(pending))
         if self._owns_client:
             try:
-                self._client.transport.close()
+                self._client.transport.close()  # type: ignore[no-untyped-call]  # the client's own, unannotated
             except Exception as exc:
                 errors.append(exc)
         if errors:

@@ -179,7 +179,8 @@ class Subscription:
         if not self.config.HasField("retry_policy"):
             return 0.0
         backoff = self.config.retry_policy.minimum_backoff
-        return backoff.seconds + backoff.nanos / 1e9
+        seconds: float = backoff.seconds + backoff.nanos / 1e9
+        return seconds
 
 
 @dataclass(slots=True, eq=False)

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 from datetime import UTC, datetime
 
 from sidecar.engine import timers as _timers
@@ -824,12 +825,12 @@ class Engine:
     def _is_live(self, timer: _timers.Timer) -> bool:
         _due, _, kind, subject, token = timer
         if kind == _timers.DEADLINE:
-            return subject.state == OUT and subject.delivery_id == token  # type: ignore[attr-defined]
+            return bool(subject.state == OUT and subject.delivery_id == token)  # type: ignore[attr-defined]
         if kind == _timers.KEY_BACKOFF:
-            return subject.backoff_until == token  # type: ignore[attr-defined]
+            return bool(subject.backoff_until == token)  # type: ignore[attr-defined]
         if kind == _timers.ENTRY_BACKOFF:
-            return subject.state == BACKOFF and subject.deliveries == token  # type: ignore[attr-defined]
-        return (subject.gap_missing, subject.gap_since) == token  # type: ignore[attr-defined]
+            return bool(subject.state == BACKOFF and subject.deliveries == token)  # type: ignore[attr-defined]
+        return bool((subject.gap_missing, subject.gap_since) == token)  # type: ignore[attr-defined]
 
 
 def _validate(config: EngineConfig) -> None:
@@ -890,5 +891,5 @@ def _arrival(entry: Entry) -> int:
     return entry.n
 
 
-def _position(entry: Entry) -> object:
+def _position(entry: Entry) -> Any:
     return entry.pos

@@ -150,7 +150,8 @@ class SequencePolicy:
         while following < run_end and index[following].state != HELD:
             following += 1
         key.next_out = following
-        return entry
+        popped: Entry = entry
+        return popped
 
     def give_back(self, key: KeyState, entries: list[Entry]) -> None:
         """Entries (already HELD again, in position order) return to the key's backlog."""
@@ -161,7 +162,7 @@ class SequencePolicy:
                 key.late.appendleft(entry)
                 key.n_ready += 1
             else:
-                heapq.heappush(key.heap, entry.pos)  # type: ignore[arg-type]
+                heapq.heappush(key.heap, entry.pos)
                 if rewind is None or entry.pos < rewind:  # type: ignore[operator]
                     rewind = entry.pos
         if rewind is not None and rewind < key.next_out:  # type: ignore[operator]
@@ -184,7 +185,7 @@ class SequencePolicy:
     def held_below(self, key: KeyState, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""
         heap = key.heap
-        return bool(heap) and heap[0] < pos  # type: ignore[operator]
+        return bool(heap) and bool(heap[0] < pos)
 
     def cursor_if_acked(self, key: KeyState, entry: Entry) -> int | None:
         cursor = key.cursor
@@ -225,7 +226,8 @@ class SequencePolicy:
         key.next_out = key.run_end = target
         key.n_ready = len(key.late)
         _extend_run(key)
-        return last - first + 1
+        skipped_count: int = last - first + 1
+        return skipped_count
 
     def waiting_for(self, key: KeyState) -> str:
         return f"sequence {key.next_out}"

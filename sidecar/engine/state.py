@@ -21,6 +21,7 @@ Key invariants (checked by the property tests):
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from sidecar.engine.types import Message, SkippedRange
 
@@ -95,8 +96,8 @@ class KeyState:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.heap: list = []  # policy-specific heap of held in-order entries (by position)
-        self.index: dict = {}  # sequence mode: seq -> Entry for every entry the key still holds
+        self.heap: list[Any] = []  # policy-specific heap of held in-order entries (by position)
+        self.index: dict[Any, Entry] = {}  # sequence mode: seq -> Entry for every entry the key still holds
         self.late: deque[Entry] = deque()  # late messages to deliver (on_late: deliver)
         self.out: list[Entry] = []
         self.n_held = 0

@@ -67,7 +67,7 @@ class WatermarkPolicy:
         if self.memory.contains(dedup_id, now_ms):
             return DropDuplicate(message, "duplicate of a recently finished message", finish_record=True), None
         pos = (timestamp_ms, dedup_id)
-        released = key.released
+        released: tuple[int, str] | None = key.released  # type: ignore[assignment]
         if released is not None and pos <= released:
             if pos == released:
                 return DropDuplicate(message, "duplicate of the key's last released message"), None
@@ -118,7 +118,8 @@ class WatermarkPolicy:
         pos, entry = heapq.heappop(key.heap)
         if key.released is None or pos > key.released:
             key.released = pos
-        return entry
+        popped: Entry = entry
+        return popped
 
     def give_back(self, key: KeyState, entries: list[Entry]) -> None:
         # Delivered entries were below the watermark, which never moves back: releasable again.

@@ -41,6 +41,8 @@ from sidecar.engine.types import AckIntent, EngineSnapshot, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout, recovery
 from sidecar.store.api import (
+    DEAD_LETTERED,
+    DEAD_LETTERED_ASIDE,
     IncomingMessage,
     PersistResult,
     StoreError,
@@ -183,7 +185,7 @@ class DocumentStore:
             target = layout.doc_id_of(message)
             if target is None:
                 continue
-            dead = state in (layout.DEAD_LETTERED, layout.DEAD_LETTERED_ASIDE) and position_of(message) is not None
+            dead = state in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position_of(message) is not None
             items.append(_Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None))
         await self._finish(sub, items, now_ms, "mark_done")
 
@@ -215,8 +217,8 @@ class DocumentStore:
                     writes.append(docs.replace(path, fields))
                     writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
                 acks = [item.ack for item in commit if item.ack is not None]
-                dead = [i.dead_letter for i in commit if i.dead_letter is not None and i.state == layout.DEAD_LETTERED]
-                aside = [i.dead_letter for i in commit if i.dead_letter is not None and i.state != layout.DEAD_LETTERED]
+                dead = [i.dead_letter for i in commit if i.dead_letter is not None and i.state == DEAD_LETTERED]
+                aside = [i.dead_letter for i in commit if i.dead_letter is not None and i.state != DEAD_LETTERED]
                 proposed = sub.book.propose(acks, dead, now_ms, aside)
                 await self._commit_cursors(sub, writes, proposed, now_ms, what)
         self._maybe_wake_flusher(sub)

@@ -99,7 +99,8 @@ class MemoryDocuments:
             rows.append((fields.get(order_by) if order_by else None, path, fields))
         rows.sort(key=lambda row: (_sortable(row[0]), row[1]))
         if after is not None:
-            rows = [row for row in rows if (_sortable(row[0]), row[1]) > after]
+            cursor: tuple[Any, str] = after  # type: ignore[assignment]  # our own Page.after
+            rows = [row for row in rows if (_sortable(row[0]), row[1]) > cursor]
         page = rows[:limit]
         self.reads += max(1, len(page))
         documents = [(path.rpartition("/")[2], copy.deepcopy(fields)) for _, path, fields in page]
@@ -190,4 +191,4 @@ def _matches(fields: docs.Fields, where: docs.Filter) -> bool:
     if where.op == "EQUAL":
         return bool(value == where.value)
     a, b = _sortable(value), _sortable(where.value)
-    return a[0] == b[0] and a >= b
+    return bool(a[0] == b[0] and a >= b)

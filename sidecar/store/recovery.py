@@ -39,14 +39,8 @@ from typing import Any
 from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.layout import (
-    ACKED,
-    DEAD_LETTERED,
-    DEAD_LETTERED_ASIDE,
-    DONE_STATES,
-    CorruptDocument,
-    check_version,
-)
+from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
+from sidecar.store.layout import ACKED, DONE_STATES, CorruptDocument, check_version
 
 CHECKPOINT_MARGIN_MS = 5_000
 """Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
@@ -116,14 +110,14 @@ def recover(
     for _doc_id, _done_ms, key, state_name, position, cursor in tombstones:
         if key is None:
             continue
-        state = states.get(key)
-        if state is None:
-            state = states[key] = rules.new_state(key)
+        key_state = states.get(key)
+        if key_state is None:
+            key_state = states[key] = rules.new_state(key)
         if state_name == ACKED:
-            fold_ack(state, mode, position, cursor)
+            fold_ack(key_state, mode, position, cursor)
         elif state_name in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position is not None:
             in_order = state_name == DEAD_LETTERED
-            fold_dead_letter(state, mode, position, rules.on_dead_letter, in_order=in_order)
+            fold_dead_letter(key_state, mode, position, rules.on_dead_letter, in_order=in_order)
     for state in states.values():
         state.written_ms = None
         state.dirty_since_ms = 0 if cursor_fields(state) != stored.get(state.key) else None

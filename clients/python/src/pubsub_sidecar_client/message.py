@@ -129,7 +129,8 @@ class Message:
 def _to_datetime(message: sidecar_pb2.OrderedMessage, field_name: str) -> datetime | None:
     if not message.HasField(field_name):
         return None
-    return getattr(message, field_name).ToDatetime(tzinfo=UTC)
+    moment: datetime = getattr(message, field_name).ToDatetime(tzinfo=UTC)
+    return moment
 
 
 def _to_duration(retry_after: timedelta | float) -> duration_pb2.Duration:

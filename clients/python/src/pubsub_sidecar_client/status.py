@@ -16,6 +16,7 @@ async def get_status(
     """
     async with grpc.aio.insecure_channel(target) as channel:
         stub = sidecar_pb2_grpc.OrderedDeliveryStub(channel)
-        return await stub.GetStatus(
+        response: sidecar_pb2.GetStatusResponse = await stub.GetStatus(
             sidecar_pb2.GetStatusRequest(subscription=subscription, max_keys=max_keys), timeout=timeout_seconds
         )
+        return response
