@@ -6,7 +6,7 @@
 For each ``--extension`` (the config's ``flow_control.max_lease_extension``; ``null`` leaves the
 Pub/Sub client's default, i.e. the code before the cap) this starts sidecars on fresh subscriptions
 of one emulators process, with the official publisher and the project's app client
-(``sidecar.client.OrderedSubscriber``):
+(``pubsub_sidecar_client.OrderedSubscriber``):
 
 1. **flow** (its own sidecar, default flow control): ``--flow-messages`` messages, app acks at once;
    ModifyAckDeadline calls and ack ids per 1,000 messages (receipt modacks plus lease extensions).
@@ -54,7 +54,7 @@ from e2e_harness import (
     write_config,
 )
 
-from sidecar.client import Message
+from pubsub_sidecar_client import Message
 
 
 @dataclass(frozen=True, slots=True)

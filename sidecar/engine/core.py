@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
 from datetime import UTC, datetime
+from typing import Any
 
 from sidecar.engine import timers as _timers
 from sidecar.engine.dedup import DedupMemory

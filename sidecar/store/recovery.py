@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.engine.types import EngineSnapshot, Message, Mode
+from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.layout import ACKED, DONE_STATES, CorruptDocument, check_version
 
 CHECKPOINT_MARGIN_MS = 5_000

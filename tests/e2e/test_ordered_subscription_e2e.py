@@ -16,7 +16,7 @@ import pytest
 from conftest import Scenario
 from e2e_harness import async_wait_until, check_sequence_guarantees
 
-from sidecar.client import Message
+from pubsub_sidecar_client import Message
 
 pytestmark = pytest.mark.e2e
 
