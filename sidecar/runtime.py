@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import secrets
@@ -225,7 +226,13 @@ class SubscriptionRuntime:
 
         snapshot = await self._retry_load(progress)
         now_ms = self._clock()
-        self._engine = Engine.restore(self._config, snapshot, now_ms, id_prefix=self._id_prefix)
+        self._engine = Engine.restore(
+            self._config,
+            snapshot,
+            now_ms,
+            id_prefix=self._id_prefix,
+            cursor_source=functools.partial(self._store.cursor, self.name),
+        )
         self._held_bytes = sum(
             payload_size(m.payload) for m in snapshot.pending if m.payload is not None and not m.payload.stripped
         )

@@ -35,7 +35,7 @@ Cost: O(log b) per message and event (b = the key's backlog), timers in one heap
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -55,6 +55,7 @@ from sidecar.engine.types import (
     EngineSnapshot,
     EngineStatus,
     Hold,
+    KeyCursor,
     KeyStatus,
     Message,
     Payload,
@@ -78,6 +79,7 @@ _COUNT_NAMES = (
     "late",
     "skipped",
     "gap_timeouts",
+    "keys_evicted",
 )
 """Cumulative counters in ``EngineStatus.counts`` (plus ``dead_lettered:<reason>``)."""
 
@@ -107,9 +109,19 @@ class Engine:
     """One subscription's ordering and delivery state. Not thread-safe: one caller at a time."""
 
     def __init__(
-        self, config: EngineConfig, *, jitter: Callable[[], float] = lambda: 0.5, id_prefix: str = ""
+        self,
+        config: EngineConfig,
+        *,
+        jitter: Callable[[], float] = lambda: 0.5,
+        id_prefix: str = "",
+        cursor_source: Callable[[str], KeyCursor | None] | None = None,
     ) -> None:
         _validate(config)
+        self._cursor_source = cursor_source
+        """A key's durable cursor by name (the store's): lets idle keys be forgotten and rebuilt."""
+        self._idle: OrderedDict[str, KeyState] = OrderedDict()
+        """Keys with nothing held, in flight or pending, least recently active first."""
+        self._max_idle = config.max_idle_keys if cursor_source is not None else None
         self._config = config
         self._mode = config.mode
         self._jitter = jitter
@@ -166,6 +178,7 @@ class Engine:
         *,
         jitter: Callable[[], float] = lambda: 0.5,
         id_prefix: str = "",
+        cursor_source: Callable[[str], KeyCursor | None] | None = None,
     ) -> Engine:
         """Rebuild from the store's cursors and pending messages.
 
@@ -174,7 +187,7 @@ class Engine:
         that was not yet dead-lettered) is returned by the first ``tick``: ``next_timer_ms`` is
         ``now_ms`` until then.
         """
-        engine = cls(config, jitter=jitter, id_prefix=id_prefix)
+        engine = cls(config, jitter=jitter, id_prefix=id_prefix, cursor_source=cursor_source)
         seen: set[str] = set()
         for cursor in snapshot.cursors:
             if cursor.key in seen:
@@ -182,15 +195,16 @@ class Engine:
             seen.add(cursor.key)
             if engine._none is not None:
                 continue  # none mode keeps no cursors
-            engine._policy.restore_cursor(engine._key(cursor.key), cursor)
+            engine._policy.restore_cursor(engine._key(cursor.key, rebuild=False), cursor)
         if snapshot.watermark_ms is not None and engine._wm is not None:
             engine._wm.watermark_ms = snapshot.watermark_ms
         for message in sorted(snapshot.pending, key=_stored_at):
             for action in engine.on_stored(message, now_ms):
                 if not isinstance(action, Hold):
                     engine._deferred.append(action)
-        for key in engine._keys.values():
+        for key in list(engine._keys.values()):
             engine._refresh(key, now_ms)
+            engine._maybe_idle(key)
         engine._counts["recovered"] = engine._stored
         engine._stored = 0
         if engine._deferred:
@@ -247,6 +261,8 @@ class Engine:
                 if type(message.key) is not str:
                     raise ValueError(f"message {message.dedup_id!r}: key must be a str, got {message.key!r}")
                 key = self._key(message.key)
+            elif self._idle:
+                self._idle.pop(key.name, None)
             if self._seq is not None:
                 action, entry = self._seq.arrive(key, message, self._n)
             else:
@@ -598,12 +614,42 @@ class Engine:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _key(self, name: str) -> KeyState:
+    def _key(self, name: str, *, rebuild: bool = True) -> KeyState:
         key = self._keys.get(name)
         if key is None:
             key = self._keys[name] = KeyState(name)
             self._policy.new_key(key)
+            if rebuild and self._cursor_source is not None:
+                cursor = self._cursor_source(name)  # a key forgotten while idle: rebuilt as it was
+                if cursor is not None:
+                    self._policy.restore_cursor(key, cursor)
         return key
+
+    def _maybe_idle(self, key: KeyState) -> None:
+        """Track a key that holds nothing; forget the longest idle past ``max_idle_keys``."""
+        if self._max_idle is None:
+            return
+        if (
+            key.n_held
+            or key.n_out
+            or key.blocked
+            or key.dead_lettering
+            or key.backoff_until is not None
+            or key.skipped
+            or key.adopted
+            or key.out
+            or key.index
+            or key.heap
+        ):
+            return
+        idle = self._idle
+        idle[key.name] = key
+        idle.move_to_end(key.name)
+        while len(idle) > self._max_idle:
+            name, forgotten = idle.popitem(last=False)
+            if self._keys.get(name) is forgotten:
+                del self._keys[name]
+                self._counts["keys_evicted"] += 1
 
     def _find(self, message: Message) -> Entry | None:
         if self._seq is not None:
@@ -795,6 +841,7 @@ class Engine:
             if key.n_out == 0:
                 key.consumer = None
             self._refresh(key, now_ms)
+            self._maybe_idle(key)
         arrivals = self._arrivals
         if len(arrivals) > 2 * self._n_undelivered + _ARRIVALS_COMPACT_MIN:
             self._arrivals = deque(e for e in arrivals if not e.deliveries and e.state not in (DONE, BLOCKED))
@@ -857,6 +904,8 @@ def _validate(config: EngineConfig) -> None:
         problems.append(f"gap_timeout_ms must be >= 0 or None, got {config.gap_timeout_ms}")
     if config.dedup_ttl_ms < 0:
         problems.append(f"dedup_ttl_ms must be >= 0, got {config.dedup_ttl_ms}")
+    if config.max_idle_keys < 0:
+        problems.append(f"max_idle_keys must be >= 0, got {config.max_idle_keys}")
     if config.dedup_memory_max_entries < 0:
         problems.append(f"dedup_memory_max_entries must be >= 0, got {config.dedup_memory_max_entries}")
     if problems:

@@ -70,6 +70,10 @@ class EngineConfig:
     dedup_memory_max_entries: int = 200_000
     """none/watermark modes: at most this many recently seen dedup ids kept in memory (~250 bytes
     each); Firestore stays the authority for the full ``dedup_ttl_ms``."""
+    max_idle_keys: int = 10_000
+    """Keys with nothing held, in flight or pending kept in memory; past it the longest idle are
+    forgotten and rebuilt from their durable cursor (the engine's ``cursor_source``) when a message
+    for them arrives. Only with a ``cursor_source``."""
 
 
 # ---- decisions -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sidecar.engine.types import AckIntent, DeadLetterPolicy, EngineSnapshot, Message, Mode, Payload
+from sidecar.engine.types import AckIntent, DeadLetterPolicy, EngineSnapshot, KeyCursor, Message, Mode, Payload
 
 DEAD_LETTERED = "dead_lettered"
 """``mark_done`` state: dead-lettered in its key's order (attempts exhausted, or the app asked)."""
@@ -141,6 +141,11 @@ class Store(Protocol):
         ``max_payload_bytes`` of payloads, pending messages come back stripped (``Payload.stripped``):
         read them with ``read_payloads`` when they are delivered.
         Raises StoreRejected, naming the document, on a document it cannot read as its own."""
+        ...
+
+    def cursor(self, subscription: str, key: str) -> KeyCursor | None:
+        """The key's durable cursor as the store knows it now (no I/O): lets the engine forget an
+        idle key and rebuild it when a message for it arrives. None: nothing durable for the key."""
         ...
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:

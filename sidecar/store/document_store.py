@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout, recovery
 from sidecar.store.api import (
@@ -50,7 +50,7 @@ from sidecar.store.api import (
     StoreUnavailable,
     SubscriptionStoreConfig,
 )
-from sidecar.store.cursors import CursorBook, CursorRules, KeyState, cursor_fields, position_of
+from sidecar.store.cursors import CursorBook, CursorRules, KeyState, cursor_fields, key_cursor, position_of
 from sidecar.store.persist import Persister
 
 _LOGGER = logging.getLogger(__name__)
@@ -384,6 +384,11 @@ class DocumentStore:
                     raise
                 await asyncio.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
+
+    def cursor(self, subscription: str, key: str) -> KeyCursor | None:
+        sub = self._sub(subscription)
+        state = sub.book.states.get(key)
+        return None if state is None else key_cursor(state, sub.config.mode)
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
         sub = self._sub(subscription)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store.api import IncomingMessage, PersistResult, Store
 
 
@@ -38,6 +38,9 @@ class TimedStore:
         max_payload_bytes: int | None = None,
     ) -> EngineSnapshot:
         return await self._inner.load(subscription, now_ms, progress, max_payload_bytes)
+
+    def cursor(self, subscription: str, key: str) -> KeyCursor | None:
+        return self._inner.cursor(subscription, key)
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
         return await self._inner.read_payloads(subscription, messages, now_ms)

@@ -105,6 +105,8 @@ class SimConfig:
     tombstones_per_commit: int = 2
     max_held_bytes: int | None = None
     """Payload bytes of held messages kept in memory (the runtime's budget); past it they are stripped."""
+    max_idle_keys: int = 10_000
+    """Idle keys the engine keeps; past it they are forgotten and rebuilt from the store's cursor."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -119,6 +121,7 @@ class SimConfig:
             backoff_initial_ms=100,
             backoff_maximum_ms=1_000,
             on_dead_letter=self.on_dead_letter,  # type: ignore[arg-type]
+            max_idle_keys=self.max_idle_keys,
         )
 
     def store_config(self) -> SubscriptionStoreConfig:
@@ -204,7 +207,13 @@ class Simulation:
             tombstones_per_commit=self.config.tombstones_per_commit,
         )
         snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes))
-        engine = Engine.restore(self.config.engine_config(), snapshot, self.now_ms, id_prefix=f"life{self.crashes}-")
+        engine = Engine.restore(
+            self.config.engine_config(),
+            snapshot,
+            self.now_ms,
+            id_prefix=f"life{self.crashes}-",
+            cursor_source=lambda key: store.cursor(SUB, key),
+        )
         held = sum(len(m.payload.data) for m in snapshot.pending if m.payload is not None)
         return _Life(store, engine, held_bytes=held)
 

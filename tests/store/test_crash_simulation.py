@@ -38,6 +38,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         malformed=draw(st.integers(0, 1)),
         tombstones_per_commit=draw(st.integers(1, 3)),
         max_held_bytes=draw(st.sampled_from([None, 0, 20])),
+        max_idle_keys=draw(st.sampled_from([0, 1, 10_000])),
     )
 
 
