@@ -316,6 +316,9 @@ class FlowControlConfig(_Model):
         if value % 1000:
             raise ValueError("must be whole seconds (Pub/Sub ack deadlines are in seconds)")
         return value
+    max_idle_keys: int = Field(10_000, ge=0)
+    """Keys with nothing pending kept in memory; past it the longest idle are forgotten and rebuilt
+    from their durable cursor when a message for them arrives (no I/O: the store keeps cursors)."""
     max_held_bytes: ByteSize = 64 * 1024 * 1024
     """Payload bytes kept in memory for messages held for ordering (behind a gap, above the
     watermark). Past it a held message keeps only its metadata in memory, and its payload is read
@@ -344,6 +347,7 @@ class SubscriptionConfig(_Model):
             "mode": ordering.mode,
             "dedup_ttl_ms": self.dedup.ttl_ms,
             "dedup_memory_max_entries": self.dedup.memory_max_entries,
+            "max_idle_keys": self.flow_control.max_idle_keys,
             "max_in_flight_per_key": delivery.max_in_flight_per_key,
             "ack_deadline_ms": delivery.ack_deadline_ms,
             "max_delivery_attempts": delivery.max_delivery_attempts,

@@ -200,6 +200,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "max_outstanding_messages": 1_000,
         "max_outstanding_bytes": 100 * 1024 * 1024,
         "max_lease_extension_ms": 10_000,
+        "max_idle_keys": 10_000,
         "max_held_bytes": 64 * 1024 * 1024,
     }
     assert sub.dead_letter_topic is None
