@@ -14,6 +14,7 @@ Invariants:
 - History keeps, for ``retention_us``, each version that was overwritten or deleted, with the commit
   time that ended it; a read at time T takes the first version ending after T, else the current
   one, and a version whose ``update_us`` is later than T reads as missing.
+  Collections are listed at T only if they held a document at T (``collection_paths``).
 """
 
 from __future__ import annotations
@@ -163,11 +164,23 @@ class DocumentStore:
                     yield name
 
     def collection_paths(self, read_us: int | None) -> Iterator[str]:
-        yield from self.collections
-        if read_us is not None:
-            for path in self._history_by_collection:
-                if path not in self.collections:
-                    yield path
+        """Full paths of the collections holding at least one document at ``read_us`` (None: now).
+
+        A collection exists while it holds a document, so one created after ``read_us``, or whose
+        documents were all created after it or deleted before it, is not listed.
+        """
+        if read_us is None:
+            yield from self.collections
+            return
+        for path in self.collections:
+            if self._holds_documents_at(path, read_us):
+                yield path
+        for path in self._history_by_collection:
+            if path not in self.collections and self._holds_documents_at(path, read_us):
+                yield path
+
+    def _holds_documents_at(self, path: str, read_us: int) -> bool:
+        return any(self.get_at(name, read_us) is not None for name in self.names_in(path, read_us))
 
     def apply(self, changes: dict[str, Record | None], commit_us: int) -> None:
         """Store new versions (None deletes) of several documents at once; see the module docstring."""

@@ -24,13 +24,14 @@ import grpc
 
 from sidecar.emulators.firestore import limits, names
 from sidecar.emulators.firestore import protos as pb
+from sidecar.emulators.firestore.aggregation import aggregate, parse_aggregations, required_fields
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
 from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found
 from sidecar.emulators.firestore.paths import parse_field_path
 from sidecar.emulators.firestore.query import CompiledQuery, compile_query, execute
 from sidecar.emulators.firestore.transactions import Transaction, TransactionManager
-from sidecar.emulators.firestore.values import get_field, number_of, project
+from sidecar.emulators.firestore.values import project
 from sidecar.emulators.firestore.writes import apply_write, target_of
 
 _LOGGER = logging.getLogger(__name__)
@@ -224,10 +225,10 @@ class FirestoreService:
     async def run_aggregation_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_aggregation_query":
             raise invalid("RunAggregationQuery needs a structured_aggregation_query.")
-        aggregation = request.structured_aggregation_query
-        query = self._query(request.parent, aggregation.structured_query)
-        if not aggregation.aggregations:
-            raise invalid("RunAggregationQuery needs at least one aggregation.")
+        structured = request.structured_aggregation_query
+        aggregations = parse_aggregations(structured.aggregations)
+        names.parent_name(request.parent)
+        query = compile_query(request.parent, structured.structured_query, required_fields(aggregations))
         tx, read_us, is_new = self._consistency(request)
         self._check_snapshot(tx)
         records = execute(self.store, query, read_us)
@@ -235,13 +236,8 @@ class FirestoreService:
             self.transactions.record_query(tx, query, records)
         response = pb.RunAggregationQueryResponse(read_time=self._read_time_of(read_us))
         response.result.SetInParent()
-        seen_aliases: set[str] = set()
-        for index, item in enumerate(aggregation.aggregations):
-            alias = item.alias or f"field_{index + 1}"
-            if alias in seen_aliases:
-                raise invalid(f"Aggregation alias {alias!r} is used twice.")
-            seen_aliases.add(alias)
-            response.result.aggregate_fields[alias].CopyFrom(_aggregate(item, records))
+        for aggregation in aggregations:
+            response.result.aggregate_fields[aggregation.alias].CopyFrom(aggregate(aggregation, records))
         if is_new and tx is not None:
             response.transaction = tx.id
         self.counters.reads += max(1, math.ceil(len(records) / _READS_PER_AGGREGATION_READ))
@@ -446,35 +442,6 @@ def _projected(doc: Any, paths: list[Any] | None) -> Any:
     out = pb.Document(name=doc.name, create_time=doc.create_time, update_time=doc.update_time)
     project(doc.fields, paths, out.fields)
     return out
-
-
-def _aggregate(item: Any, records: list[Record]) -> Any:
-    kind = item.WhichOneof("operator")
-    if kind == "count":
-        count = len(records)
-        if item.count.HasField("up_to"):
-            if item.count.up_to.value <= 0:
-                raise invalid("count.up_to must be positive.")
-            count = min(count, item.count.up_to.value)
-        return pb.Value(integer_value=count)
-    if kind in ("sum", "avg"):
-        path = parse_field_path(getattr(item, kind).field.field_path)
-        numbers = []
-        for record in records:
-            value = get_field(record.doc.fields, path)
-            number = None if value is None else number_of(value)
-            if number is not None:
-                numbers.append(number)
-        if kind == "avg":
-            if not numbers:
-                return pb.Value(null_value=0)
-            return pb.Value(double_value=sum(map(float, numbers)) / len(numbers))
-        if all(isinstance(n, int) for n in numbers):
-            total = sum(numbers)
-            if -(2**63) <= total < 2**63:
-                return pb.Value(integer_value=int(total))
-        return pb.Value(double_value=sum(map(float, numbers)))
-    raise invalid("An aggregation must set count, sum or avg.")
 
 
 def _unary(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
