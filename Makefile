@@ -4,7 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto emulators bench clean
+.PHONY: demo test lint check-tools proto emulators bench clean
+
+# tests/k8s render k8s/ with the real kustomize (`kubectl kustomize`, kustomize v5, embedded in
+# kubectl since 1.27). The machine image ships kubectl as the `kubectl` package of google-cloud-cli;
+# Debian's own kubernetes-client is kubectl 1.20 with kustomize v2, too old for `patches:`.
+KUSTOMIZE_MIN_MAJOR := 5
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,8 +20,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/pubsub-sidecar demo
 
-test: $(STAMP) lint
+test: $(STAMP) lint check-tools
 	$(PY) -m pytest -q -p no:cacheprovider
+
+check-tools:
+	@version=$$( (kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\..*/\1/p'; \
+		kustomize version 2>/dev/null | sed -n 's/.*v\([0-9]*\)\..*/\1/p') | sort -n | tail -1); \
+	if [ -z "$$version" ] || [ "$$version" -lt $(KUSTOMIZE_MIN_MAJOR) ]; then \
+		echo "check-tools: tests/k8s need kustomize >= v$(KUSTOMIZE_MIN_MAJOR): kubectl >= 1.27 (\`kubectl kustomize\`," \
+			"the \`kubectl\` package of google-cloud-cli) or a standalone kustomize on PATH;" \
+			"found kustomize major version: $${version:-none}." >&2; \
+		exit 1; \
+	fi; echo "check-tools: kustomize v$$version"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar tests bench scripts
