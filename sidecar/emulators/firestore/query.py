@@ -37,7 +37,7 @@ from typing import Any
 
 from sidecar.emulators.firestore import limits
 from sidecar.emulators.firestore.documents import DocumentStore, Record
-from sidecar.emulators.firestore.errors import invalid
+from sidecar.emulators.firestore.errors import invalid, unimplemented
 from sidecar.emulators.firestore.paths import NAME_PATH, FieldPath, format_field_path, parse_field_path
 from sidecar.emulators.firestore.protos import COMPOSITE_OP, DIRECTION, OP, UNARY_OP
 from sidecar.emulators.firestore.values import (
@@ -141,6 +141,8 @@ def compile_query(parent: str, sq: Any, required_fields: Iterable[FieldPath] = (
     ``required_fields`` (an aggregation's sum/avg fields) must exist in every result and order it
     after the explicit orders, like inequality fields (see the module docstring).
     """
+    if sq.HasField("find_nearest"):
+        raise unimplemented("Vector search (find_nearest) is not supported by this emulator.")
     if len(sq.from_) != 1:
         raise invalid("A query must select exactly one collection (from).")
     selector = sq.from_[0]

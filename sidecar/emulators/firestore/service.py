@@ -8,7 +8,8 @@ lock wait, which comes before validation and before anything is staged.
 Errors: domain code raises ``FirestoreError``; the wrappers here turn it into the gRPC status.
 Any other exception is logged and reported as INTERNAL with its message, so a bug can never
 become UNKNOWN (which some client methods retry for minutes) nor take the server down.
-Not served (UNIMPLEMENTED): Listen, Write (streaming), PartitionQuery, ExecutePipeline.
+Not served (UNIMPLEMENTED): Listen, Write (streaming), PartitionQuery, ExecutePipeline, and
+queries with ``find_nearest`` (vector search) or ``explain_options``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sidecar.emulators.firestore import protos as pb
 from sidecar.emulators.firestore.aggregation import aggregate, parse_aggregations, required_fields
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
-from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found
+from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found, unimplemented
 from sidecar.emulators.firestore.paths import parse_field_path
 from sidecar.emulators.firestore.query import CompiledQuery, compile_query, execute
 from sidecar.emulators.firestore.transactions import Transaction, TransactionManager
@@ -202,6 +203,7 @@ class FirestoreService:
     async def run_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_query":
             raise invalid("RunQuery needs a structured_query.")
+        _refuse_explain(request)
         query = self._query(request.parent, request.structured_query)
         tx, read_us, is_new = self._consistency(request)
         self._check_snapshot(tx)
@@ -225,6 +227,7 @@ class FirestoreService:
     async def run_aggregation_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_aggregation_query":
             raise invalid("RunAggregationQuery needs a structured_aggregation_query.")
+        _refuse_explain(request)
         structured = request.structured_aggregation_query
         aggregations = parse_aggregations(structured.aggregations)
         names.parent_name(request.parent)
@@ -428,6 +431,11 @@ class FirestoreService:
         self._commit_now([write], [target])
         record = self.store.get(name)
         return pb.Document() if record is None else _masked(record.doc, mask)
+
+
+def _refuse_explain(request: Any) -> None:
+    if request.HasField("explain_options"):
+        raise unimplemented("Query explain (explain_options) is not supported by this emulator.")
 
 
 def _masked(doc: Any, mask: Any) -> Any:

@@ -180,3 +180,20 @@ def test_a_vector_in_a_batch_write_refused_alone(client: firestore.Client) -> No
     assert [s.code for s in response.status] == [0, 3]
     assert response.status[1].message == "Vector value type must be an array."
     assert client.document("vb/ok").get().get("v") == Vector([1.0])
+
+
+def test_vector_search_and_query_explain_are_refused_not_answered_wrongly(client: firestore.Client) -> None:
+    from google.cloud.firestore_v1.base_vector_query import DistanceMeasure
+    from google.cloud.firestore_v1.query_profile import ExplainOptions
+
+    col = client.collection("vectors")
+    col.document("a").set({"embedding": Vector([1.0, 2.0])})
+    nearest = col.find_nearest(
+        vector_field="embedding", query_vector=Vector([1.0, 2.0]), distance_measure=DistanceMeasure.EUCLIDEAN, limit=1
+    )
+    with pytest.raises(exceptions.MethodNotImplemented, match="find_nearest"):
+        nearest.get()
+    with pytest.raises(exceptions.MethodNotImplemented, match="explain"):
+        col.get(explain_options=ExplainOptions(analyze=True))
+    with pytest.raises(exceptions.MethodNotImplemented, match="explain"):
+        col.count().get(explain_options=ExplainOptions(analyze=False))
