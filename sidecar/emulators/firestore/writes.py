@@ -40,6 +40,8 @@ from sidecar.emulators.firestore.values import (
 )
 
 _REQUEST_TIME = SERVER_VALUE.Value("REQUEST_TIME")
+_MIN_SECONDS, _MAX_SECONDS = -62_135_596_800, 253_402_300_799
+"""A Timestamp's valid range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59Z."""
 
 
 def target_of(write: Any) -> str:
@@ -65,13 +67,14 @@ def check_precondition(write: Any, name: str, current: Record | None, commit_us:
         if not condition.exists and current is not None:
             raise already_exists(f"Document already exists: {name}")
     elif kind == "update_time":
-        wanted_us = nanos_of(condition.update_time) // 1000
+        wanted = condition.update_time
+        if not (_MIN_SECONDS <= wanted.seconds <= _MAX_SECONDS and 0 <= wanted.nanos < 1_000_000_000):
+            raise invalid(f"Precondition update_time on {name} is not a valid timestamp.")
+        wanted_us = nanos_of(wanted) // 1000
         if wanted_us > commit_us:
             # No version can have been written after the commit that checks it: production
             # refuses the request itself rather than reporting a failed precondition.
-            raise invalid(
-                f"Precondition update_time {condition.update_time.ToJsonString()} on {name} is in the future."
-            )
+            raise invalid(f"Precondition update_time {wanted.ToJsonString()} on {name} is in the future.")
         stored_us = 0 if current is None else current.update_us
         if current is None or nanos_of(condition.update_time) != stored_us * 1000:
             raise failed_precondition(

@@ -56,6 +56,17 @@ def test_future_update_time_in_a_batch_write_fails_only_that_write(client: fires
     assert kept.get().exists and client.document("pre/new").get().exists
 
 
+@pytest.mark.parametrize("update_time", [{"seconds": 10**15}, {"seconds": 1, "nanos": -5}, {"nanos": 10**9}])
+def test_invalid_update_time_precondition_is_invalid_argument(client: firestore.Client, update_time: dict) -> None:
+    ref = client.document("pre/ts")
+    ref.set({"n": 1})
+    write = {"delete": ref._document_path, "current_document": {"update_time": update_time}}
+    database = f"projects/{client.project}/databases/(default)"
+    with pytest.raises(exceptions.InvalidArgument, match="not a valid timestamp"):
+        gapic(client).commit(request={"database": database, "writes": [write]})
+    assert ref.get().exists
+
+
 async def test_async_update_time_precondition_in_the_future(aclient: firestore.AsyncClient) -> None:
     ref = aclient.document("pre/async")
     await ref.create({"n": 1})
