@@ -93,16 +93,14 @@ def _check_structure(fields: Any, depth: int, where: str) -> None:
         value = fields[name]
         kind = value.WhichOneof("value_type")
         if kind == "map_value":
-            _check_map(value.map_value, depth + 1, where)
+            nested = value.map_value
+            # Inlined rather than a helper call: this loop is the hot path of every write.
+            if VECTOR_TYPE_KEY in nested.fields and is_vector(nested):
+                _check_vector(nested, where)
+            else:
+                _check_structure(nested.fields, depth + 1, where)
         elif kind == "array_value":
             _check_array(value.array_value.values, depth + 1, where)
-
-
-def _check_map(map_value: Any, depth: int, where: str) -> None:
-    if VECTOR_TYPE_KEY in map_value.fields and is_vector(map_value):
-        _check_vector(map_value, where)
-    else:
-        _check_structure(map_value.fields, depth, where)
 
 
 def _check_vector(map_value: Any, where: str) -> None:
@@ -135,7 +133,11 @@ def _check_array(values: Any, depth: int, where: str) -> None:
         if kind == "array_value":
             raise invalid(f"Document {where!r}: an array cannot directly contain another array.")
         if kind == "map_value":
-            _check_map(element.map_value, depth + 1, where)
+            nested = element.map_value
+            if VECTOR_TYPE_KEY in nested.fields and is_vector(nested):
+                _check_vector(nested, where)
+            else:
+                _check_structure(nested.fields, depth + 1, where)
 
 
 def _check_name(name: str, where: str) -> None:
