@@ -109,20 +109,21 @@ class CompiledQuery:
     def collections(self, store: DocumentStore, read_us: int | None) -> list[str]:
         prefix = self.parent + "/"
         if not self.collection_id:
-            return sorted(
+            candidates: Any = [
                 path
-                for path in store.collection_paths(read_us)
-                if path.startswith(prefix)
-                and (self.all_descendants or "/" not in path[len(prefix) :])
-                and self._may_hold(path)
-            )
-        if not self.all_descendants:
+                for path in store.known_collection_paths(read_us, prefix)
+                if (self.all_descendants or "/" not in path[len(prefix) :]) and self._may_hold(path)
+            ]
+        elif not self.all_descendants:
             return [f"{self.parent}/{self.collection_id}"]
-        if read_us is None:
-            candidates: Any = store.by_collection_id.get(self.collection_id, ())
+        elif read_us is None:
+            candidates = [p for p in store.by_collection_id.get(self.collection_id, ()) if p.startswith(prefix)]
         else:
-            candidates = [p for p in store.collection_paths(read_us) if p.rpartition("/")[2] == self.collection_id]
-        return sorted(p for p in candidates if p.startswith(prefix))
+            candidates = [
+                p for p in store.known_collection_paths(read_us, prefix) if p.rpartition("/")[2] == self.collection_id
+            ]
+        # Collections are read at read_us by the caller, so ones empty then simply yield nothing.
+        return sorted(candidates)
 
     def _may_hold(self, path: str) -> bool:
         """False when every document of the collection at ``path`` lies outside the ``__name__`` cursors."""

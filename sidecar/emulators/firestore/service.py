@@ -257,12 +257,7 @@ class FirestoreService:
         self._check_snapshot(tx)
         path = f"{request.parent}/{request.collection_id}"
         ids = {n.rpartition("/")[2] for n in self.store.names_in(path, read_us)}
-        missing: set[str] = set()
-        if request.show_missing:
-            prefix = path + "/"
-            for collection in self.store.collection_paths(read_us):
-                if collection.startswith(prefix):
-                    missing.add(collection[len(prefix) :].split("/", 1)[0])
+        missing = self.store.child_collection_ids(path, read_us) if request.show_missing else set()
         after = request.page_token
         page_size = request.page_size or _DEFAULT_PAGE_SIZE
         response = pb.ListDocumentsResponse()
@@ -293,11 +288,7 @@ class FirestoreService:
             if request.WhichOneof("consistency_selector") == "read_time"
             else None
         )
-        prefix = parent + "/"
-        ids = set()
-        for path in self.store.collection_paths(read_us):
-            if path.startswith(prefix):
-                ids.add(path[len(prefix) :].split("/", 1)[0])
+        ids = self.store.child_collection_ids(parent, read_us)
         page_size = request.page_size or _DEFAULT_PAGE_SIZE
         page = sorted(i for i in ids if i > request.page_token)
         response = pb.ListCollectionIdsResponse(collection_ids=page[:page_size])
