@@ -92,6 +92,19 @@ def test_list_collection_ids_refuses_malformed_requests(client: firestore.Client
         api.list_collection_ids(request={"parent": root, "read_time": timestamp_pb2.Timestamp(seconds=1)})
 
 
+def test_list_documents_refuses_malformed_requests(client: firestore.Client) -> None:
+    api = gapic(client)
+    root = f"projects/{client.project}/databases/(default)/documents"
+    for request in (
+        {"parent": root, "collection_id": ""},
+        {"parent": root, "collection_id": "__bad__"},
+        {"parent": root, "collection_id": "c", "page_size": -1},
+        {"parent": f"{root}/odd", "collection_id": "c"},
+    ):
+        with pytest.raises(exceptions.InvalidArgument):
+            list(api.list_documents(request={**request, "show_missing": True}))
+
+
 def test_list_documents_at_a_read_time_older_than_retention_is_refused(client: firestore.Client) -> None:
     with pytest.raises(exceptions.FailedPrecondition):
         list(client.collection("x").list_documents(read_time=datetime.datetime(2001, 1, 1, tzinfo=datetime.UTC)))
