@@ -13,6 +13,8 @@
   means no fields).
 - A query looks only at the collections it names: one collection, or for ``all_descendants`` the
   collections with that id below the parent (found through the store's collection-id index).
+  Ordered by ``__name__`` only, a single-collection query walks the sorted ids and stops at the
+  limit, so paging through a large collection stays linear overall.
 - A kindless query (empty collection id, what ``recursive()`` and ``recursive_delete`` send) reads
   every collection directly under the parent, or with ``all_descendants`` every collection below
   it at any depth. ``recursive()`` bounds it with ``__name__`` cursors such as
@@ -24,8 +26,6 @@
   are left out of the whole aggregation, ``count`` included) ordered like inequality fields, so a
   limit picks the first documents by the explicit orders, then by those fields (production reads
   them from the field's index: ``limit(12).sum("f")`` adds the 12 smallest values of ``f``).
-  Ordered by ``__name__`` only, a single-collection query walks the sorted ids and stops at the
-  limit, so paging through a large collection stays linear overall.
 """
 
 from __future__ import annotations

@@ -196,9 +196,9 @@ class FirestoreService:
         for response in responses:
             yield response
 
-    def _query(self, parent: str, structured_query: Any) -> CompiledQuery:
+    def _query(self, parent: str, structured_query: Any, required_fields: list[Any] | None = None) -> CompiledQuery:
         names.parent_name(parent)
-        return compile_query(parent, structured_query)
+        return compile_query(parent, structured_query, required_fields or ())
 
     async def run_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_query":
@@ -230,8 +230,7 @@ class FirestoreService:
         _refuse_explain(request)
         structured = request.structured_aggregation_query
         aggregations = parse_aggregations(structured.aggregations)
-        names.parent_name(request.parent)
-        query = compile_query(request.parent, structured.structured_query, required_fields(aggregations))
+        query = self._query(request.parent, structured.structured_query, required_fields(aggregations))
         tx, read_us, is_new = self._consistency(request)
         self._check_snapshot(tx)
         records = execute(self.store, query, read_us)

@@ -1,9 +1,9 @@
 """Firestore ``Value`` semantics: ordering, equality and field access inside documents.
 
 Cross-type order (production's): null < boolean < number < timestamp < string < bytes <
-reference < geo point < array < vector < map. Integers and doubles form one "number" class and compare
-by numeric value (3 == 3.0); NaN sorts before every other number and equals itself for ordering
-purposes. Strings compare by UTF-8 bytes, which equals Python's code-point order. References
+reference < geo point < array < vector < map. Integers and doubles form one "number" class and
+compare by numeric value (3 == 3.0); NaN sorts before every other number and equals itself for
+ordering purposes. Strings compare by UTF-8 bytes, which equals Python's code-point order. References
 compare segment by segment; arrays element-wise, then by length; vectors (a map
 ``{"__type__": "__vector__", "value": [doubles]}``, the client's ``Vector``) by dimension, then
 element-wise; maps by their entries sorted by key (key, then value), then by size.
