@@ -5,7 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto proto-baseline emulators bench clean
+.PHONY: demo test lint typecheck check-tools proto proto-baseline emulators bench clean
+
+# tests/k8s render k8s/ with the real kustomize (`kubectl kustomize`, kustomize v5, embedded in
+# kubectl since 1.27). The machine image ships kubectl as the `kubectl` package of google-cloud-cli;
+# Debian's own kubernetes-client is kubectl 1.20 with kustomize v2, too old for `patches:`.
+KUSTOMIZE_MIN_MAJOR := 5
 
 # One pip command for both: the sidecar's requirement on pubsub-sidecar-client is met by the local
 # folder, never looked up on a package index.
@@ -18,8 +23,18 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/pubsub-sidecar demo
 
-test: $(STAMP) lint
+test: $(STAMP) lint check-tools
 	$(PY) -m pytest -q -p no:cacheprovider
+
+check-tools:
+	@version=$$( (kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\..*/\1/p'; \
+		kustomize version 2>/dev/null | sed -n 's/.*v\([0-9]*\)\..*/\1/p') | sort -n | tail -1); \
+	if [ -z "$$version" ] || [ "$$version" -lt $(KUSTOMIZE_MIN_MAJOR) ]; then \
+		echo "check-tools: tests/k8s need kustomize >= v$(KUSTOMIZE_MIN_MAJOR): kubectl >= 1.27 (\`kubectl kustomize\`," \
+			"the \`kubectl\` package of google-cloud-cli) or a standalone kustomize on PATH;" \
+			"found kustomize major version: $${version:-none}." >&2; \
+		exit 1; \
+	fi; echo "check-tools: kustomize v$$version"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar tests bench scripts clients/python

@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kustomize_lite import load_yaml_documents
+from kustomize_build import load_yaml_documents
 
 from sidecar.cli import build_parser
 

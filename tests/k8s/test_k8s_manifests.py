@@ -1,9 +1,10 @@
 """The Kubernetes manifests in k8s/: valid against real Kubernetes schemas, and consistent with the sidecar.
 
-Validation: every base manifest file on its own, and the example overlay rendered by
-``kustomize_lite`` (patches are partial objects, so they are validated only once merged). The
-schemas ship with ``kubernetes-validate``: nothing is fetched. Versions checked: 1.29 (the first
-with native sidecars on by default) and the newest the package knows.
+Validation: every base manifest file on its own, and the base and the example overlay as the real
+kustomize renders them (``kubectl kustomize``, what ``kubectl apply -k`` applies; patches are
+partial objects, so they are validated only once merged). The schemas ship with
+``kubernetes-validate``: nothing is fetched. Versions checked: 1.29 (the first with native
+sidecars on by default) and the newest the package knows.
 
 Consistency: the config in each ConfigMap loads with the project's own loader; the probes point at
 the port and paths the sidecar's HTTP endpoint really serves (checked against a running one); the
@@ -13,8 +14,11 @@ config listens on, in a volume both containers mount.
 
 from __future__ import annotations
 
+import copy
+import functools
 import ipaddress
 import re
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ import aiohttp
 import kubernetes_validate
 import pytest
 import yaml
-from kustomize_lite import Resource, load_yaml_documents, pod_containers, render
+from kustomize_build import KustomizeFailed, Resource, load_yaml_documents, pod_containers, render
 
 from sidecar.cli import build_parser
 from sidecar.config import load_config
@@ -102,9 +106,19 @@ def sidecar_args(resources: list[Resource]) -> Any:
     return build_parser().parse_args(container["args"])
 
 
-@pytest.fixture(scope="module", params=["base", "overlay"])
+@functools.cache
+def _rendered(directory: Path) -> list[Resource]:
+    return render(directory)
+
+
+def rendered_copy(directory: Path) -> list[Resource]:
+    """kustomize's rendering of ``directory`` (run once per directory), a copy the test may change."""
+    return copy.deepcopy(_rendered(directory))
+
+
+@pytest.fixture(params=["base", "overlay"])
 def rendered(request: pytest.FixtureRequest) -> list[Resource]:
-    return render(BASE if request.param == "base" else OVERLAY)
+    return rendered_copy(BASE if request.param == "base" else OVERLAY)
 
 
 # ---- schema validation -----------------------------------------------------------------------
@@ -121,11 +135,22 @@ def test_every_base_manifest_validates_against_the_kubernetes_schema(path: Path,
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_rendered_example_overlay_validates_against_the_kubernetes_schema(version: str) -> None:
-    resources = render(OVERLAY)
-    assert {r["kind"] for r in resources} == {"ServiceAccount", "ConfigMap", "Deployment", "PodDisruptionBudget"}
-    for resource in resources:
+def test_rendered_base_and_overlay_validate_against_the_kubernetes_schema(
+    rendered: list[Resource], version: str
+) -> None:
+    assert sorted(r["kind"] for r in rendered) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "ServiceAccount"]
+    for resource in rendered:
         kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_kustomize_refuses_a_broken_kustomization(tmp_path: Path) -> None:
+    """Guards the rendering: kustomize's own errors surface, nothing renders around them."""
+    shutil.copytree(OVERLAY, tmp_path / "overlays" / "example")
+    shutil.copytree(BASE, tmp_path / "base")
+    patch = tmp_path / "overlays" / "example" / "deployment-patch.yaml"
+    patch.write_text(patch.read_text().replace("name: orders-app", "name: no-such-deployment", 1))
+    with pytest.raises(KustomizeFailed, match="no-such-deployment"):
+        render(tmp_path / "overlays" / "example")
 
 
 def test_schema_validation_rejects_a_broken_manifest() -> None:
@@ -140,7 +165,7 @@ def test_schema_validation_rejects_a_broken_manifest() -> None:
 
 
 def test_overlay_sets_namespace_images_identity_and_resources() -> None:
-    resources = render(OVERLAY)
+    resources = rendered_copy(OVERLAY)
     assert {r["metadata"]["namespace"] for r in resources} == {"orders"}
     images = {c["name"]: c["image"] for c in pod_containers(only(resources, "Deployment"))}
     assert images == {
@@ -151,7 +176,7 @@ def test_overlay_sets_namespace_images_identity_and_resources() -> None:
     assert annotations["iam.gke.io/gcp-service-account"] == "orders-sidecar@example-project.iam.gserviceaccount.com"
     assert sidecar_container(resources)["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
     # The patch merged into the sidecar container; it did not replace it.
-    assert sidecar_container(resources)["args"] == sidecar_container(render(BASE))["args"]
+    assert sidecar_container(resources)["args"] == sidecar_container(rendered_copy(BASE))["args"]
 
 
 # ---- consistency with the sidecar ------------------------------------------------------------
@@ -233,9 +258,9 @@ async def http_endpoint() -> AsyncIterator[tuple[str, Readiness]]:
 
 async def test_probe_paths_are_served_by_the_sidecars_http_endpoint(http_endpoint: tuple[str, Readiness]) -> None:
     base_url, readiness = http_endpoint
-    container = sidecar_container(render(OVERLAY))
+    container = sidecar_container(rendered_copy(OVERLAY))
     paths = {kind: probe["httpGet"]["path"] for kind, probe in probes(container).items()}
-    annotations = only(render(OVERLAY), "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    annotations = only(rendered_copy(OVERLAY), "Deployment")["spec"]["template"]["metadata"]["annotations"]
     async with aiohttp.ClientSession() as session:
 
         async def status_of(path: str) -> int:

@@ -14,6 +14,7 @@ Invariants:
 - History keeps, for ``retention_us``, each version that was overwritten or deleted, with the commit
   time that ended it; a read at time T takes the first version ending after T, else the current
   one, and a version whose ``update_us`` is later than T reads as missing.
+  Collections are listed at T only if they held a document at T (``collection_paths``).
 """
 
 from __future__ import annotations
@@ -162,12 +163,33 @@ class DocumentStore:
                 if name.rpartition("/")[2] not in live:
                     yield name
 
-    def collection_paths(self, read_us: int | None) -> Iterator[str]:
-        yield from self.collections
+    def collection_paths(self, read_us: int | None, prefix: str = "") -> Iterator[str]:
+        """Full paths of the collections below ``prefix`` holding a document at ``read_us`` (None: now).
+
+        A collection exists while it holds a document, so one created after ``read_us``, or whose
+        documents were all created after it or deleted before it, is not listed.
+        """
+        for path in self.known_collection_paths(read_us, prefix):
+            if read_us is None or self.holds_documents_at(path, read_us):
+                yield path
+
+    def known_collection_paths(self, read_us: int | None, prefix: str = "") -> Iterator[str]:
+        """Paths below ``prefix`` that hold documents now or held some in the remembered history."""
+        for path in self.collections:
+            if path.startswith(prefix):
+                yield path
         if read_us is not None:
             for path in self._history_by_collection:
-                if path not in self.collections:
+                if path not in self.collections and path.startswith(prefix):
                     yield path
+
+    def holds_documents_at(self, path: str, read_us: int) -> bool:
+        return any(self.get_at(name, read_us) is not None for name in self.names_in(path, read_us))
+
+    def child_collection_ids(self, parent: str, read_us: int | None) -> set[str]:
+        """Ids of the collections directly under ``parent`` with a document at any depth at ``read_us``."""
+        prefix = parent + "/"
+        return {path[len(prefix) :].split("/", 1)[0] for path in self.collection_paths(read_us, prefix)}
 
     def apply(self, changes: dict[str, Record | None], commit_us: int) -> None:
         """Store new versions (None deletes) of several documents at once; see the module docstring."""

@@ -37,3 +37,8 @@ def failed_precondition(message: str) -> FirestoreError:
 
 def aborted(message: str) -> FirestoreError:
     return FirestoreError(grpc.StatusCode.ABORTED, message)
+
+
+def unimplemented(message: str) -> FirestoreError:
+    """A feature production serves and this emulator does not: refused, never answered wrongly."""
+    return FirestoreError(grpc.StatusCode.UNIMPLEMENTED, message)

@@ -8,6 +8,9 @@
   length, reference its document-name size, arrays and maps the sum of their contents.
 - Field names: not ``__.*__``, at most 1,500 bytes; maps and arrays nest at most 20 levels (a
   top-level field is level 1); an array may not directly contain an array.
+- A vector (the client's ``Vector``: a map ``{"__type__": "__vector__", "value": [doubles]}``, the
+  one map whose ``__type__`` key is not refused as reserved) has exactly those two keys and 1 to
+  2,048 double elements, none NaN; refusals use the official emulator's messages.
 - A request is at most 10 MiB; a Commit or BatchWrite carries at most 500 writes (production's
   long-standing per-request bound; stricter than today's Commit, never looser).
 """
@@ -18,6 +21,7 @@ import re
 from typing import Any
 
 from sidecar.emulators.firestore.errors import invalid
+from sidecar.emulators.firestore.values import VECTOR_TYPE_KEY, VECTOR_VALUES_KEY, is_vector
 
 MAX_ID_BYTES = 1500
 MAX_FIELD_NAME_BYTES = 1500
@@ -26,6 +30,7 @@ MAX_DOCUMENT_BYTES = 1_048_576
 MAX_REQUEST_BYTES = 10 * 1_048_576
 MAX_WRITES_PER_REQUEST = 500
 MAX_DISJUNCTION_VALUES = 30
+MAX_VECTOR_DIMENSIONS = 2048
 """Values allowed in an ``in``/``not-in``/``array-contains-any`` filter."""
 
 _RESERVED = re.compile(r"__.*__\Z", re.DOTALL)
@@ -88,9 +93,36 @@ def _check_structure(fields: Any, depth: int, where: str) -> None:
         value = fields[name]
         kind = value.WhichOneof("value_type")
         if kind == "map_value":
-            _check_structure(value.map_value.fields, depth + 1, where)
+            nested = value.map_value
+            # Inlined rather than a helper call: this loop is the hot path of every write.
+            if VECTOR_TYPE_KEY in nested.fields and is_vector(nested):
+                _check_vector(nested, where)
+            else:
+                _check_structure(nested.fields, depth + 1, where)
         elif kind == "array_value":
             _check_array(value.array_value.values, depth + 1, where)
+
+
+def _check_vector(map_value: Any, where: str) -> None:
+    """A vector's shape, checked in the official emulator's order with its messages."""
+    fields = map_value.fields
+    values = fields.get(VECTOR_VALUES_KEY)
+    if values is None:
+        raise invalid("Vector map is missing key 'value'.")
+    if values.WhichOneof("value_type") != "array_value":
+        raise invalid("Vector value type must be an array.")
+    if len(fields) > 2:
+        raise invalid("Vector value map has extraneous entries.")
+    elements = values.array_value.values
+    if not elements:
+        raise invalid("Cannot have a zero length vector.")
+    if len(elements) > MAX_VECTOR_DIMENSIONS:
+        raise invalid(f"Vectors must be at most {MAX_VECTOR_DIMENSIONS} dimensions.")
+    for element in elements:
+        if element.WhichOneof("value_type") != "double_value":
+            raise invalid("Vector must only contain values of type 'double'")
+        if element.double_value != element.double_value:
+            raise invalid("Vector cannot contain NaN values.")
 
 
 def _check_array(values: Any, depth: int, where: str) -> None:
@@ -101,7 +133,11 @@ def _check_array(values: Any, depth: int, where: str) -> None:
         if kind == "array_value":
             raise invalid(f"Document {where!r}: an array cannot directly contain another array.")
         if kind == "map_value":
-            _check_structure(element.map_value.fields, depth + 1, where)
+            nested = element.map_value
+            if VECTOR_TYPE_KEY in nested.fields and is_vector(nested):
+                _check_vector(nested, where)
+            else:
+                _check_structure(nested.fields, depth + 1, where)
 
 
 def _check_name(name: str, where: str) -> None:

@@ -4,7 +4,8 @@
   ``>=`` match only values of the operand's type class (int and double together). ``!=`` matches
   any present value not equal to the operand (null included); ``not-in`` also excludes null, and
   matches nothing when its list holds null. ``in``/``not-in``/``array-contains-any`` take a
-  non-empty array of at most 30 values. IS_NAN / IS_NULL and their NOT forms need the field.
+  non-empty array of at most 30 values. IS_NAN / IS_NULL and their NOT forms need the field;
+  IS_NOT_NAN (``!= NaN``) matches neither NaN nor null, as production does.
 - Order: the explicit order_by, then inequality fields not already ordered (by field path), then
   ``__name__`` in the direction of the last order. A document lacking an ordered field is left
   out. Cursors compare a prefix of that order; ``before`` means start_at / end_before.
@@ -14,17 +15,29 @@
   collections with that id below the parent (found through the store's collection-id index).
   Ordered by ``__name__`` only, a single-collection query walks the sorted ids and stops at the
   limit, so paging through a large collection stays linear overall.
+- A kindless query (empty collection id, what ``recursive()`` and ``recursive_delete`` send) reads
+  every collection directly under the parent, or with ``all_descendants`` every collection below
+  it at any depth. ``recursive()`` bounds it with ``__name__`` cursors such as
+  ``coll/__id-9223372036854775808__`` and ``coll\0/__id-...__``: an ``__id<n>__`` segment is
+  production's numeric id, which sorts before every string id (no stored id can be one: ids of that
+  form are reserved), and ``\0`` sorts right after ``coll``. Collections wholly outside the cursors
+  are skipped, so such a query costs the size of the subtree, not of the database.
+- An aggregation's ``sum``/``avg`` fields act as implicit existence filters (documents lacking one
+  are left out of the whole aggregation, ``count`` included) ordered like inequality fields, so a
+  limit picks the first documents by the explicit orders, then by those fields (production reads
+  them from the field's index: ``limit(12).sum("f")`` adds the 12 smallest values of ``f``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.emulators.firestore import limits
 from sidecar.emulators.firestore.documents import DocumentStore, Record
-from sidecar.emulators.firestore.errors import invalid
+from sidecar.emulators.firestore.errors import invalid, unimplemented
 from sidecar.emulators.firestore.paths import NAME_PATH, FieldPath, format_field_path, parse_field_path
 from sidecar.emulators.firestore.protos import COMPOSITE_OP, DIRECTION, OP, UNARY_OP
 from sidecar.emulators.firestore.values import (
@@ -55,6 +68,8 @@ _IS_NAN, _IS_NULL = UNARY_OP.Value("IS_NAN"), UNARY_OP.Value("IS_NULL")
 _IS_NOT_NAN, _IS_NOT_NULL = UNARY_OP.Value("IS_NOT_NAN"), UNARY_OP.Value("IS_NOT_NULL")
 _AND, _OR = COMPOSITE_OP.Value("AND"), COMPOSITE_OP.Value("OR")
 _DESCENDING = DIRECTION.Value("DESCENDING")
+_NUMERIC_ID = re.compile(r"__id-?\d+__\Z")
+"""Production's spelling of a numeric document id inside a reference (only ever in a cursor here)."""
 
 
 def name_key(name: str) -> Key:
@@ -92,26 +107,53 @@ class CompiledQuery:
     descending: list[bool] = field(default_factory=list)
 
     def collections(self, store: DocumentStore, read_us: int | None) -> list[str]:
-        if not self.all_descendants:
-            return [f"{self.parent}/{self.collection_id}"]
         prefix = self.parent + "/"
-        if read_us is None:
-            candidates: Any = store.by_collection_id.get(self.collection_id, ())
+        if not self.collection_id:
+            candidates: Any = [
+                path
+                for path in store.known_collection_paths(read_us, prefix)
+                if (self.all_descendants or "/" not in path[len(prefix) :]) and self._may_hold(path)
+            ]
+        elif not self.all_descendants:
+            return [f"{self.parent}/{self.collection_id}"]
+        elif read_us is None:
+            candidates = [p for p in store.by_collection_id.get(self.collection_id, ()) if p.startswith(prefix)]
         else:
-            candidates = [p for p in store.collection_paths(read_us) if p.rpartition("/")[2] == self.collection_id]
-        return sorted(p for p in candidates if p.startswith(prefix))
+            candidates = [
+                p for p in store.known_collection_paths(read_us, prefix) if p.rpartition("/")[2] == self.collection_id
+            ]
+        # Collections are read at read_us by the caller, so ones empty then simply yield nothing.
+        return sorted(candidates)
+
+    def _may_hold(self, path: str) -> bool:
+        """False when every document of the collection at ``path`` lies outside the ``__name__`` cursors."""
+        if self.orders[0] != (NAME_PATH, False):
+            return True
+        segments = tuple(path.split("/"))
+        count = len(segments)
+        if self.start is not None and self.start.keys and segments < self.start.keys[0][1][:count]:
+            return False
+        return not (self.end is not None and self.end.keys and segments > self.end.keys[0][1][:count])
 
 
-def compile_query(parent: str, sq: Any) -> CompiledQuery:
-    """Validate ``sq`` (a StructuredQuery) under ``parent``; raises INVALID_ARGUMENT naming the problem."""
+def compile_query(parent: str, sq: Any, required_fields: Iterable[FieldPath] = ()) -> CompiledQuery:
+    """Validate ``sq`` (a StructuredQuery) under ``parent``; raises INVALID_ARGUMENT naming the problem.
+
+    ``required_fields`` (an aggregation's sum/avg fields) must exist in every result and order it
+    after the explicit orders, like inequality fields (see the module docstring).
+    """
+    if sq.HasField("find_nearest"):
+        raise unimplemented("Vector search (find_nearest) is not supported by this emulator.")
     if len(sq.from_) != 1:
         raise invalid("A query must select exactly one collection (from).")
     selector = sq.from_[0]
-    if not selector.collection_id:
-        raise invalid("A query's from.collection_id must not be empty.")
-    limits.check_id(selector.collection_id, "Collection id", parent)
+    if selector.collection_id:
+        limits.check_id(selector.collection_id, "Collection id", parent)
     inequality_paths: list[FieldPath] = []
     predicate = _compile_filter(sq.where, inequality_paths) if sq.HasField("where") else None
+    for path in required_fields:
+        inequality_paths.append(path)
+        predicate = _and_exists(predicate, path)
     orders: list[tuple[FieldPath, bool]] = []
     for order in sq.order_by:
         path = parse_field_path(order.field.field_path)
@@ -148,15 +190,30 @@ def compile_query(parent: str, sq: Any) -> CompiledQuery:
     return query
 
 
+def _and_exists(predicate: Predicate | None, path: FieldPath) -> Predicate:
+    if predicate is None:
+        return lambda doc: get_field(doc.fields, path) is not None
+    return lambda doc: get_field(doc.fields, path) is not None and predicate(doc)
+
+
 def _cursor(cursor: Any, orders: list[tuple[FieldPath, bool]], what: str) -> Cursor:
     if len(cursor.values) > len(orders):
         raise invalid(f"{what}: too many cursor values ({len(cursor.values)}) for {len(orders)} orderings.")
     keys = []
     for value, (path, _) in zip(cursor.values, orders, strict=False):
-        if path == NAME_PATH and value.WhichOneof("value_type") != "reference_value":
-            raise invalid(f"{what}: a cursor value for __name__ must be a reference.")
-        keys.append(value_key(value))
+        if path == NAME_PATH:
+            if value.WhichOneof("value_type") != "reference_value":
+                raise invalid(f"{what}: a cursor value for __name__ must be a reference.")
+            keys.append(_name_cursor_key(value.reference_value))
+        else:
+            keys.append(value_key(value))
     return Cursor(keys, cursor.before)
+
+
+def _name_cursor_key(reference: str) -> Key:
+    """A ``__name__`` cursor's key; a numeric id ``__id<n>__`` sorts before every string id ("")."""
+    segments = reference.split("/")
+    return (RANK_REFERENCE, tuple("" if _NUMERIC_ID.match(s) else s for s in segments))
 
 
 def _disjunction(value: Any, op_name: str, path_text: str) -> list[Any]:
@@ -199,7 +256,7 @@ def _compile_unary(f: Any, inequality_paths: list[FieldPath]) -> Predicate:
     if op in (_IS_NOT_NAN, _IS_NOT_NULL):
         inequality_paths.append(path)
         if op == _IS_NOT_NAN:
-            return lambda doc: (v := value_of(doc)) is not None and not is_nan(v)
+            return lambda doc: (v := value_of(doc)) is not None and not is_nan(v) and not is_null(v)
         return lambda doc: (v := value_of(doc)) is not None and not is_null(v)
     raise invalid(f"Unary filter on {f.field.field_path!r} has no valid operator.")
 
@@ -295,7 +352,7 @@ def execute(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> 
     wanted = None if query.limit is None else query.offset + query.limit
     if wanted == 0:
         return []
-    if len(query.orders) == 1 and not query.all_descendants and read_us is None:
+    if len(query.orders) == 1 and query.collection_id and not query.all_descendants and read_us is None:
         picked = list(_by_name(store, query, wanted))
     else:
         picked = _scan_and_sort(store, query, read_us)

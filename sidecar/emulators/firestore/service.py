@@ -8,7 +8,8 @@ lock wait, which comes before validation and before anything is staged.
 Errors: domain code raises ``FirestoreError``; the wrappers here turn it into the gRPC status.
 Any other exception is logged and reported as INTERNAL with its message, so a bug can never
 become UNKNOWN (which some client methods retry for minutes) nor take the server down.
-Not served (UNIMPLEMENTED): Listen, Write (streaming), PartitionQuery, ExecutePipeline.
+Not served (UNIMPLEMENTED): Listen, Write (streaming), PartitionQuery, ExecutePipeline, and
+queries with ``find_nearest`` (vector search) or ``explain_options``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import grpc
 
 from sidecar.emulators.firestore import limits, names
 from sidecar.emulators.firestore import protos as pb
+from sidecar.emulators.firestore.aggregation import aggregate, parse_aggregations, required_fields
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
-from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found
+from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found, unimplemented
 from sidecar.emulators.firestore.paths import parse_field_path
 from sidecar.emulators.firestore.query import CompiledQuery, compile_query, execute
 from sidecar.emulators.firestore.transactions import Transaction, TransactionManager
-from sidecar.emulators.firestore.values import get_field, number_of, project
+from sidecar.emulators.firestore.values import project
 from sidecar.emulators.firestore.writes import apply_write, target_of
 
 _LOGGER = logging.getLogger(__name__)
@@ -195,13 +197,14 @@ class FirestoreService:
         for response in responses:
             yield response
 
-    def _query(self, parent: str, structured_query: Any) -> CompiledQuery:
+    def _query(self, parent: str, structured_query: Any, required_fields: list[Any] | None = None) -> CompiledQuery:
         names.parent_name(parent)
-        return compile_query(parent, structured_query)
+        return compile_query(parent, structured_query, required_fields or ())
 
     async def run_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_query":
             raise invalid("RunQuery needs a structured_query.")
+        _refuse_explain(request)
         query = self._query(request.parent, request.structured_query)
         tx, read_us, is_new = self._consistency(request)
         self._check_snapshot(tx)
@@ -225,10 +228,10 @@ class FirestoreService:
     async def run_aggregation_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_aggregation_query":
             raise invalid("RunAggregationQuery needs a structured_aggregation_query.")
-        aggregation = request.structured_aggregation_query
-        query = self._query(request.parent, aggregation.structured_query)
-        if not aggregation.aggregations:
-            raise invalid("RunAggregationQuery needs at least one aggregation.")
+        _refuse_explain(request)
+        structured = request.structured_aggregation_query
+        aggregations = parse_aggregations(structured.aggregations)
+        query = self._query(request.parent, structured.structured_query, required_fields(aggregations))
         tx, read_us, is_new = self._consistency(request)
         self._check_snapshot(tx)
         records = execute(self.store, query, read_us)
@@ -236,13 +239,8 @@ class FirestoreService:
             self.transactions.record_query(tx, query, records)
         response = pb.RunAggregationQueryResponse(read_time=self._read_time_of(read_us))
         response.result.SetInParent()
-        seen_aliases: set[str] = set()
-        for index, item in enumerate(aggregation.aggregations):
-            alias = item.alias or f"field_{index + 1}"
-            if alias in seen_aliases:
-                raise invalid(f"Aggregation alias {alias!r} is used twice.")
-            seen_aliases.add(alias)
-            response.result.aggregate_fields[alias].CopyFrom(_aggregate(item, records))
+        for aggregation in aggregations:
+            response.result.aggregate_fields[aggregation.alias].CopyFrom(aggregate(aggregation, records))
         if is_new and tx is not None:
             response.transaction = tx.id
         self.counters.reads += max(1, math.ceil(len(records) / _READS_PER_AGGREGATION_READ))
@@ -259,12 +257,7 @@ class FirestoreService:
         self._check_snapshot(tx)
         path = f"{request.parent}/{request.collection_id}"
         ids = {n.rpartition("/")[2] for n in self.store.names_in(path, read_us)}
-        missing: set[str] = set()
-        if request.show_missing:
-            prefix = path + "/"
-            for collection in self.store.collection_paths(read_us):
-                if collection.startswith(prefix):
-                    missing.add(collection[len(prefix) :].split("/", 1)[0])
+        missing = self.store.child_collection_ids(path, read_us) if request.show_missing else set()
         after = request.page_token
         page_size = request.page_size or _DEFAULT_PAGE_SIZE
         response = pb.ListDocumentsResponse()
@@ -295,11 +288,7 @@ class FirestoreService:
             if request.WhichOneof("consistency_selector") == "read_time"
             else None
         )
-        prefix = parent + "/"
-        ids = set()
-        for path in self.store.collection_paths(read_us):
-            if path.startswith(prefix):
-                ids.add(path[len(prefix) :].split("/", 1)[0])
+        ids = self.store.child_collection_ids(parent, read_us)
         page_size = request.page_size or _DEFAULT_PAGE_SIZE
         page = sorted(i for i in ids if i > request.page_token)
         response = pb.ListCollectionIdsResponse(collection_ids=page[:page_size])
@@ -435,6 +424,11 @@ class FirestoreService:
         return pb.Document() if record is None else _masked(record.doc, mask)
 
 
+def _refuse_explain(request: Any) -> None:
+    if request.HasField("explain_options"):
+        raise unimplemented("Query explain (explain_options) is not supported by this emulator.")
+
+
 def _masked(doc: Any, mask: Any) -> Any:
     if mask is None:
         return doc
@@ -447,35 +441,6 @@ def _projected(doc: Any, paths: list[Any] | None) -> Any:
     out = pb.Document(name=doc.name, create_time=doc.create_time, update_time=doc.update_time)
     project(doc.fields, paths, out.fields)
     return out
-
-
-def _aggregate(item: Any, records: list[Record]) -> Any:
-    kind = item.WhichOneof("operator")
-    if kind == "count":
-        count = len(records)
-        if item.count.HasField("up_to"):
-            if item.count.up_to.value <= 0:
-                raise invalid("count.up_to must be positive.")
-            count = min(count, item.count.up_to.value)
-        return pb.Value(integer_value=count)
-    if kind in ("sum", "avg"):
-        path = parse_field_path(getattr(item, kind).field.field_path)
-        numbers = []
-        for record in records:
-            value = get_field(record.doc.fields, path)
-            number = None if value is None else number_of(value)
-            if number is not None:
-                numbers.append(number)
-        if kind == "avg":
-            if not numbers:
-                return pb.Value(null_value=0)
-            return pb.Value(double_value=sum(map(float, numbers)) / len(numbers))
-        if all(isinstance(n, int) for n in numbers):
-            total = sum(numbers)
-            if -(2**63) <= total < 2**63:
-                return pb.Value(integer_value=int(total))
-        return pb.Value(double_value=sum(map(float, numbers)))
-    raise invalid("An aggregation must set count, sum or avg.")
 
 
 def _unary(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:

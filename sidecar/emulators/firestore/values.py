@@ -1,11 +1,12 @@
 """Firestore ``Value`` semantics: ordering, equality and field access inside documents.
 
 Cross-type order (production's): null < boolean < number < timestamp < string < bytes <
-reference < geo point < array < map. Integers and doubles form one "number" class and compare
-by numeric value (3 == 3.0); NaN sorts before every other number and equals itself for ordering
-purposes. Strings compare by UTF-8 bytes, which equals Python's code-point order. References
-compare segment by segment; arrays element-wise, then by length; maps by their entries sorted
-by key (key, then value), then by size.
+reference < geo point < array < vector < map. Integers and doubles form one "number" class and
+compare by numeric value (3 == 3.0); NaN sorts before every other number and equals itself for
+ordering purposes. Strings compare by UTF-8 bytes, which equals Python's code-point order. References
+compare segment by segment; arrays element-wise, then by length; vectors (a map
+``{"__type__": "__vector__", "value": [doubles]}``, the client's ``Vector``) by dimension, then
+element-wise; maps by their entries sorted by key (key, then value), then by size.
 
 ``value_key`` turns a Value into a plain tuple whose Python ordering is exactly that order, so
 sorting and comparing never go back to protobuf. Stored documents are never mutated: writers
@@ -26,7 +27,11 @@ Fields = Any
 """A protobuf ``map<string, Value>`` (the ``fields`` of a Document or MapValue)."""
 
 RANK_NULL, RANK_BOOL, RANK_NUMBER, RANK_TIMESTAMP, RANK_STRING = 0, 1, 2, 3, 4
-RANK_BYTES, RANK_REFERENCE, RANK_GEO, RANK_ARRAY, RANK_MAP = 5, 6, 7, 8, 9
+RANK_BYTES, RANK_REFERENCE, RANK_GEO, RANK_ARRAY, RANK_VECTOR, RANK_MAP = 5, 6, 7, 8, 9, 10
+
+VECTOR_TYPE_KEY = "__type__"
+VECTOR_TYPE = "__vector__"
+VECTOR_VALUES_KEY = "value"
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -43,8 +48,17 @@ def _array_key(v: Any) -> Key:
     return (RANK_ARRAY, tuple(value_key(e) for e in v.array_value.values))
 
 
+def is_vector(map_value: Any) -> bool:
+    """Whether a MapValue spells a vector (its ``__type__`` is ``__vector__``)."""
+    kind = map_value.fields.get(VECTOR_TYPE_KEY)
+    return kind is not None and kind.WhichOneof("value_type") == "string_value" and kind.string_value == VECTOR_TYPE
+
+
 def _map_key(v: Any) -> Key:
     fields = v.map_value.fields
+    if VECTOR_TYPE_KEY in fields and is_vector(v.map_value):
+        elements = fields[VECTOR_VALUES_KEY].array_value.values if VECTOR_VALUES_KEY in fields else ()
+        return (RANK_VECTOR, len(elements), tuple(value_key(e) for e in elements))
     return (RANK_MAP, tuple((k, value_key(fields[k])) for k in sorted(fields)))
 
 
@@ -80,7 +94,10 @@ _RANKS = {
 
 def type_rank(v: Any) -> int:
     """The type class of a Value (RANK_* constant)."""
-    return _RANKS[v.WhichOneof("value_type")]
+    kind = v.WhichOneof("value_type")
+    if kind == "map_value" and is_vector(v.map_value):
+        return RANK_VECTOR
+    return _RANKS[kind]
 
 
 def is_nan(v: Any) -> bool:

@@ -3,7 +3,9 @@
 Rules (production's, as the official client encodes them):
 - ``current_document.exists=false`` on an existing document -> ALREADY_EXISTS (a create);
   ``exists=true`` on a missing one -> NOT_FOUND (an update); ``update_time`` must equal the stored
-  update time exactly, else FAILED_PRECONDITION.
+  update time exactly, else FAILED_PRECONDITION with production's "stored version ... does not
+  match the required base version" (microseconds); an ``update_time`` later than the commit time is
+  INVALID_ARGUMENT (production's code, as the official clients' system tests expect).
 - ``update`` without ``update_mask`` replaces the document. With a mask (present, even if empty:
   tested with HasField), each masked path is copied from the request if the request has it, and
   deleted otherwise; paths outside the mask keep their stored values.
@@ -38,6 +40,8 @@ from sidecar.emulators.firestore.values import (
 )
 
 _REQUEST_TIME = SERVER_VALUE.Value("REQUEST_TIME")
+_MIN_SECONDS, _MAX_SECONDS = -62_135_596_800, 253_402_300_799
+"""A Timestamp's valid range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59Z."""
 
 
 def target_of(write: Any) -> str:
@@ -52,7 +56,7 @@ def target_of(write: Any) -> str:
     raise invalid("A write must set one of update, delete or transform.")
 
 
-def check_precondition(write: Any, name: str, current: Record | None) -> None:
+def check_precondition(write: Any, name: str, current: Record | None, commit_us: int) -> None:
     if not write.HasField("current_document"):
         return
     condition = write.current_document
@@ -63,16 +67,26 @@ def check_precondition(write: Any, name: str, current: Record | None) -> None:
         if not condition.exists and current is not None:
             raise already_exists(f"Document already exists: {name}")
     elif kind == "update_time":
-        wanted = nanos_of(condition.update_time)
-        if current is None or current.update_us * 1000 != wanted:
-            raise failed_precondition(f"The document {name} has been modified since the update_time precondition.")
+        wanted = condition.update_time
+        if not (_MIN_SECONDS <= wanted.seconds <= _MAX_SECONDS and 0 <= wanted.nanos < 1_000_000_000):
+            raise invalid(f"Precondition update_time on {name} is not a valid timestamp.")
+        wanted_us = nanos_of(wanted) // 1000
+        if wanted_us > commit_us:
+            # No version can have been written after the commit that checks it: production
+            # refuses the request itself rather than reporting a failed precondition.
+            raise invalid(f"Precondition update_time {wanted.ToJsonString()} on {name} is in the future.")
+        stored_us = 0 if current is None else current.update_us
+        if current is None or nanos_of(condition.update_time) != stored_us * 1000:
+            raise failed_precondition(
+                f"the stored version ({stored_us}) does not match the required base version ({wanted_us})"
+            )
 
 
 def apply_write(
     write: Any, name: str, relative: str, current: Record | None, commit_us: int, commit_ts: Any
 ) -> tuple[Record | None, Any]:
     """The new version of the document (None: deleted) and the WriteResult for ``write``."""
-    check_precondition(write, name, current)
+    check_precondition(write, name, current, commit_us)
     op = write.WhichOneof("operation")
     if op == "delete":
         return None, WriteResult()

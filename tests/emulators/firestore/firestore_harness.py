@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -37,3 +38,9 @@ class Endpoint:
         return self.emulator
 
 
+
+
+def gapic(client: Any) -> Any:
+    """The official client's generated layer (``FirestoreClient`` or its async twin), for requests
+    the high-level API never builds (malformed ones included): same channel, metadata and retries."""
+    return client._firestore_api
