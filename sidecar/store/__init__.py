@@ -7,7 +7,8 @@ One job per module (read them in this order):
 - ``cursors``: per-key durable cursor state, the fold that builds it, and write coalescing. Pure.
 - ``recovery``: documents in, the engine's snapshot out. Pure.
 - ``documents``: the seam to a document database: plain writes, reads and queries.
-- ``persist``, ``document_store``: the ``Store`` over that seam (what to write, in which Commit).
+- ``persist``, ``document_store``, ``reader``: the ``Store`` over that seam (what to write, in which
+  Commit; what to read back at recovery and delivery).
 - ``firestore``: the seam on Firestore; the only module that imports google-cloud-firestore.
 - ``memory_documents``: the seam in memory, with Firestore's semantics (crash simulation, tests).
 - ``memory``: a simpler in-memory ``Store`` for delivery tests and benchmarks. Not durable.

@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
@@ -47,25 +46,18 @@ from sidecar.store.api import (
     PersistResult,
     StoreError,
     StoreRejected,
-    StoreUnavailable,
     SubscriptionStoreConfig,
 )
 from sidecar.store.cursors import CursorBook, CursorRules, KeyState, cursor_fields, key_cursor, position_of
+from sidecar.store.layout import message_path
 from sidecar.store.persist import Persister
+from sidecar.store.reader import Progress, Reader
 
 _LOGGER = logging.getLogger(__name__)
 
 _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
-_PAGE_SIZE = 2_000
-"""Documents per query page at load: big enough to amortise round trips, small enough to stream."""
-
-_PAGE_ATTEMPTS = 3
-"""Tries per query page at load: one blip should not restart a load of 100,000 documents."""
-
-Progress = Callable[[int], None]
-"""Called by ``load`` with the number of documents read so far (a liveness signal)."""
 
 
 def wall_clock_ms() -> int:
@@ -138,7 +130,8 @@ class DocumentStore:
             name: _Subscription(name, config, f"{root}/{name}", CursorBook(rules_of(config), cursor_write_interval_ms))
             for name, config in subscriptions.items()
         }
-        self._persister = Persister(documents, _message_path)
+        self._persister = Persister(documents, message_path)
+        self._reader = Reader(documents)
         self._background_flush = background_flush
         if not 1 <= tombstones_per_commit <= _TOMBSTONES_PER_COMMIT:
             raise ValueError(f"tombstones_per_commit: must be 1..{_TOMBSTONES_PER_COMMIT}, got {tombstones_per_commit}")
@@ -210,7 +203,7 @@ class DocumentStore:
             for commit in commits:
                 writes: list[docs.Write] = []
                 for item in commit:
-                    path = _message_path(sub.path, item.doc_id)
+                    path = message_path(sub.path, item.doc_id)
                     fields = layout.tombstone_fields(
                         item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor
                     )
@@ -282,20 +275,6 @@ class DocumentStore:
 
     # ---- load -----------------------------------------------------------------------------------
 
-    async def _query_all(
-        self, sub: _Subscription, collection: str, where: docs.Filter | None, order_by: str | None, progress: Progress
-    ) -> list[tuple[str, dict[str, Any]]]:
-        """Every (document id, fields) of a query, page by page; a failed page is retried a few times."""
-        out: list[tuple[str, dict[str, Any]]] = []
-        after: object | None = None
-        while True:
-            page = await self._query_page(sub, collection, where, order_by, after)
-            out += page.documents
-            progress(len(page.documents))
-            if page.after is None:
-                return out
-            after = page.after
-
     async def _checkpoint(self, sub: _Subscription, now_ms: int) -> int | None:
         """Check the stored mode, create the document on first use; returns the checkpoint."""
         found = (await self._documents.get_all([sub.path])).get(sub.path)
@@ -336,12 +315,13 @@ class DocumentStore:
         async with sub.lock:
             checkpoint = await self._checkpoint(sub, now_ms)
             since = recovery.since_ms(checkpoint)
-            cursor_docs = await self._query_all(sub, "keys", None, None, count)
-            recent_docs = await self._query_all(
-                sub, "messages", docs.Filter("done_ms", "GREATER_THAN_OR_EQUAL", since), "done_ms", count
+            reader = self._reader
+            cursor_docs = await reader.query_all(sub.path, "keys", None, None, count)
+            recent_docs = await reader.query_all(
+                sub.path, "messages", docs.Filter("done_ms", "GREATER_THAN_OR_EQUAL", since), "done_ms", count
             )
             try:
-                pending = await self._load_pending(sub, max_payload_bytes, count)
+                pending = await reader.load_pending(sub.path, max_payload_bytes, count)
                 recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since)
             except layout.CorruptDocument as exc:
                 raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
@@ -350,92 +330,13 @@ class DocumentStore:
         self._maybe_wake_flusher(sub)
         return recovered.snapshot
 
-    async def _load_pending(self, sub: _Subscription, budget: int | None, progress: Progress) -> list[Message]:
-        """Every pending message, decoded page by page so that only one page of payloads is ever in
-        memory beyond the budget; past ``budget`` payload bytes a message is kept stripped."""
-        pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
-        out: list[Message] = []
-        kept = 0
-        after: object | None = None
-        while True:
-            page = await self._query_page(sub, "messages", pending_filter, None, after)
-            progress(len(page.documents))
-            keep: list[tuple[str, dict[str, Any]]] = []
-            for doc_id, fields in page.documents:
-                size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
-                if budget is None or kept + size <= budget:
-                    kept += size
-                    keep.append((doc_id, fields))
-                else:
-                    out.append(layout.stripped_message_from_fields(doc_id, fields))
-            out += await self._decode_pending(sub, keep)
-            if page.after is None:
-                return out
-            after = page.after
-
-    async def _query_page(
-        self, sub: _Subscription, collection: str, where: docs.Filter | None, order_by: str | None, after: object | None
-    ) -> docs.Page:
-        for attempt in range(_PAGE_ATTEMPTS):
-            try:
-                return await self._documents.query(sub.path, collection, where, order_by, after, _PAGE_SIZE)
-            except StoreUnavailable:
-                if attempt + 1 == _PAGE_ATTEMPTS:
-                    raise
-                await asyncio.sleep(0.1 * 2**attempt)
-        raise AssertionError("unreachable")
-
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         sub = self._sub(subscription)
         state = sub.book.states.get(key)
         return None if state is None else key_cursor(state, sub.config.mode)
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
-        sub = self._sub(subscription)
-        targets = []
-        for message in messages:
-            target = layout.doc_id_of(message)
-            if target is None:
-                raise StoreRejected(f"read_payloads: message {message.dedup_id!r} was never stored (no ref)")
-            targets.append(target[0])
-        paths = [_message_path(sub.path, doc_id) for doc_id in targets]
-        found = await self._documents.get_all(paths)
-        docs_found: list[tuple[str, dict[str, Any]]] = []
-        for doc_id, path in zip(targets, paths, strict=True):
-            fields = found.get(path)
-            if fields is None or fields.get("state") != layout.PENDING:
-                raise StoreRejected(
-                    f"read_payloads: message document {path} is "
-                    f"{'gone' if fields is None else repr(fields.get('state'))}, not pending: its payload is lost"
-                )
-            docs_found.append((doc_id, fields))
-        try:
-            return await self._decode_pending(sub, docs_found)
-        except layout.CorruptDocument as exc:
-            raise StoreRejected(f"read_payloads: {exc}") from exc
-
-    async def _decode_pending(self, sub: _Subscription, found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
-        """Pending messages, chunked data reassembled (one batched get for all chunks)."""
-        chunked = {doc_id: int(fields.get("chunks") or 0) for doc_id, fields in found if fields.get("chunks")}
-        paths = [
-            f"{_message_path(sub.path, doc_id)}/chunks/{layout.chunk_doc_id(i)}"
-            for doc_id, count in chunked.items()
-            for i in range(count)
-        ]
-        parts = await self._documents.get_all(paths) if paths else {}
-        out: list[Message] = []
-        for doc_id, fields in found:
-            data: bytes | None = None
-            if doc_id in chunked:
-                pieces = [
-                    parts.get(f"{_message_path(sub.path, doc_id)}/chunks/{layout.chunk_doc_id(i)}")
-                    for i in range(chunked[doc_id])
-                ]
-                if any(piece is None or not isinstance(piece.get("d"), bytes) for piece in pieces):
-                    raise layout.CorruptDocument(f"message document {doc_id}: a chunk document is missing")
-                data = b"".join(piece["d"] for piece in pieces if piece is not None)
-            out.append(layout.message_from_fields(doc_id, fields, data))
-        return out
+        return await self._reader.read_payloads(self._sub(subscription).path, messages)
 
     async def close(self) -> None:
         """Stop the flush task, write what is dirty (best effort), close the documents; idempotent."""
@@ -475,5 +376,3 @@ def _split_group(group: list[_Finish], per_commit: int) -> list[list[_Finish]]:
     return parts
 
 
-def _message_path(sub_path: str, doc_id: str) -> str:
-    return f"{sub_path}/messages/{doc_id}"

@@ -79,6 +79,11 @@ def key_doc_id(key: str) -> str:
     return _digest(b"key", key.encode())
 
 
+def message_path(sub_path: str, doc_id: str) -> str:
+    """Relative path of a message document under its subscription document."""
+    return f"{sub_path}/messages/{doc_id}"
+
+
 def chunk_doc_id(index: int) -> str:
     return f"{index:03d}"
 

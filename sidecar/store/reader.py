@@ -1,0 +1,125 @@
+"""Reading a subscription's documents back: paged queries, pending messages within a memory budget,
+chunked data reassembled, stripped payloads read back. Used by ``DocumentStore`` (load, read_payloads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sidecar.engine.types import Message
+from sidecar.store import documents as docs
+from sidecar.store import layout
+from sidecar.store.api import StoreRejected, StoreUnavailable
+from sidecar.store.layout import message_path
+
+_PAGE_SIZE = 2_000
+"""Documents per query page at load: big enough to amortise round trips, small enough to stream."""
+
+_PAGE_ATTEMPTS = 3
+"""Tries per query page at load: one blip should not restart a load of 100,000 documents."""
+
+Progress = Callable[[int], None]
+"""Called with the number of documents read by a call (a liveness signal during recovery)."""
+
+
+class Reader:
+    def __init__(self, documents: docs.Documents) -> None:
+        self._documents = documents
+
+    async def query_all(
+        self, sub_path: str, collection: str, where: docs.Filter | None, order_by: str | None, progress: Progress
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Every (document id, fields) of a query, page by page; a failed page is retried a few times."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        after: object | None = None
+        while True:
+            page = await self._query_page(sub_path, collection, where, order_by, after)
+            out += page.documents
+            progress(len(page.documents))
+            if page.after is None:
+                return out
+            after = page.after
+
+    async def load_pending(self, sub_path: str, budget: int | None, progress: Progress) -> list[Message]:
+        """Every pending message, decoded page by page so that only one page of payloads is ever in
+        memory beyond the budget; past ``budget`` payload bytes a message is kept stripped."""
+        pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
+        out: list[Message] = []
+        kept = 0
+        after: object | None = None
+        while True:
+            page = await self._query_page(sub_path, "messages", pending_filter, None, after)
+            progress(len(page.documents))
+            keep: list[tuple[str, dict[str, Any]]] = []
+            for doc_id, fields in page.documents:
+                size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
+                if budget is None or kept + size <= budget:
+                    kept += size
+                    keep.append((doc_id, fields))
+                else:
+                    out.append(layout.stripped_message_from_fields(doc_id, fields))
+            out += await self._decode_pending(sub_path, keep)
+            if page.after is None:
+                return out
+            after = page.after
+
+    async def _query_page(
+        self, sub_path: str, collection: str, where: docs.Filter | None, order_by: str | None, after: object | None
+    ) -> docs.Page:
+        for attempt in range(_PAGE_ATTEMPTS):
+            try:
+                return await self._documents.query(sub_path, collection, where, order_by, after, _PAGE_SIZE)
+            except StoreUnavailable:
+                if attempt + 1 == _PAGE_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def read_payloads(self, sub_path: str, messages: Sequence[Message]) -> list[Message]:
+        """The pending ``messages`` with their payloads, in order; StoreRejected if one is not pending."""
+        targets = []
+        for message in messages:
+            target = layout.doc_id_of(message)
+            if target is None:
+                raise StoreRejected(f"read_payloads: message {message.dedup_id!r} was never stored (no ref)")
+            targets.append(target[0])
+        paths = [message_path(sub_path, doc_id) for doc_id in targets]
+        found = await self._documents.get_all(paths)
+        docs_found: list[tuple[str, dict[str, Any]]] = []
+        for doc_id, path in zip(targets, paths, strict=True):
+            fields = found.get(path)
+            if fields is None or fields.get("state") != layout.PENDING:
+                raise StoreRejected(
+                    f"read_payloads: message document {path} is "
+                    f"{'gone' if fields is None else repr(fields.get('state'))}, not pending: its payload is lost"
+                )
+            docs_found.append((doc_id, fields))
+        try:
+            return await self._decode_pending(sub_path, docs_found)
+        except layout.CorruptDocument as exc:
+            raise StoreRejected(f"read_payloads: {exc}") from exc
+
+    async def _decode_pending(self, sub_path: str, found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
+        """Pending messages, chunked data reassembled (one batched get for all chunks)."""
+        chunked = {doc_id: int(fields.get("chunks") or 0) for doc_id, fields in found if fields.get("chunks")}
+        paths = [
+            f"{message_path(sub_path, doc_id)}/chunks/{layout.chunk_doc_id(i)}"
+            for doc_id, count in chunked.items()
+            for i in range(count)
+        ]
+        parts = await self._documents.get_all(paths) if paths else {}
+        out: list[Message] = []
+        for doc_id, fields in found:
+            data: bytes | None = None
+            if doc_id in chunked:
+                pieces = [
+                    parts.get(f"{message_path(sub_path, doc_id)}/chunks/{layout.chunk_doc_id(i)}")
+                    for i in range(chunked[doc_id])
+                ]
+                if any(piece is None or not isinstance(piece.get("d"), bytes) for piece in pieces):
+                    raise layout.CorruptDocument(f"message document {doc_id}: a chunk document is missing")
+                data = b"".join(piece["d"] for piece in pieces if piece is not None)
+            out.append(layout.message_from_fields(doc_id, fields, data))
+        return out
