@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from sidecar.engine import Engine, UnknownDelivery
-from sidecar.engine.core import payload_size
+from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
 from sidecar.engine.types import (
     AckIntent,
     Action,
@@ -235,7 +235,7 @@ class SubscriptionRuntime:
         )
         self._held_bytes = sum(
             payload_size(m.payload) for m in snapshot.pending if m.payload is not None and not m.payload.stripped
-        )
+        ) + HELD_MESSAGE_OVERHEAD_BYTES * len(snapshot.pending)
         _LOGGER.info(
             "subscription %s recovered: %d pending messages, %d key cursors",
             self.name,
@@ -333,20 +333,23 @@ class SubscriptionRuntime:
         for message in messages:
             actions = engine.on_stored(message, now_ms)
             payload = message.payload
-            if payload is not None and not payload.stripped and (not actions or isinstance(actions[0], Hold)):
-                size = payload_size(payload)
-                if actions and budget is not None and self._held_bytes + size > budget:
+            if payload is not None and (not actions or isinstance(actions[0], Hold)):
+                # The budget covers payloads and the bookkeeping of every message not yet handed out.
+                size = 0 if payload.stripped else payload_size(payload)
+                overhead = HELD_MESSAGE_OVERHEAD_BYTES
+                if size and actions and budget is not None and self._held_bytes + size + overhead > budget:
                     # Held for ordering and over the budget: the store keeps the payload meanwhile.
                     if engine.strip_payload(message):
                         self.counters.payloads_stripped += 1
                         size = 0
-                self._held_bytes += size
+                self._held_bytes += size + overhead
             self._apply(actions)
         self._after_change()
 
     @property
     def held_bytes(self) -> int:
-        """Payload bytes in memory for stored messages not yet handed out (held or ready)."""
+        """Memory, estimated, of stored messages not yet handed out (held or ready): payloads kept
+        plus ``HELD_MESSAGE_OVERHEAD_BYTES`` each."""
         return self._held_bytes
 
     def advance_watermark(self, watermark_ms: int) -> None:
@@ -389,8 +392,9 @@ class SubscriptionRuntime:
         deliveries = engine.take(consumer, max_messages, now_ms)
         for delivery in deliveries:
             payload = delivery.message.payload
-            if delivery.attempt == 1 and payload is not None and not payload.stripped:
-                self._held_bytes = max(0, self._held_bytes - payload_size(payload))
+            if delivery.attempt == 1 and payload is not None:
+                size = 0 if payload.stripped else payload_size(payload)
+                self._held_bytes = max(0, self._held_bytes - size - HELD_MESSAGE_OVERHEAD_BYTES)
         if deliveries:
             self._maybe_wake_timer()
             if self._on_delivered is not None:

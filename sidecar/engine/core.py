@@ -916,9 +916,15 @@ def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+HELD_MESSAGE_OVERHEAD_BYTES = 600
+"""What a held message costs in memory besides its payload, measured roughly: the message and its
+entry, ids, fingerprint, heap and index slots."""
+
+
 def payload_size(payload: Payload) -> int:
-    """Bytes a payload holds in memory, roughly: data plus attribute text."""
-    return len(payload.data) + sum(len(k) + len(v) for k, v in payload.attributes.items())
+    """Bytes a payload holds in memory, roughly: data and attribute text plus CPython's object
+    headers (a bytes object, and per attribute two strings and a dict slot)."""
+    return 33 + len(payload.data) + sum(len(k) + len(v) + 110 for k, v in payload.attributes.items())
 
 
 def _identity(message: Message) -> object:

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.engine.types import Message
 from sidecar.store import documents as docs
 from sidecar.store import layout
@@ -55,6 +56,8 @@ class Reader:
             keep: list[tuple[str, dict[str, Any]]] = []
             for doc_id, fields in page.documents:
                 size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
+                size += 33 + 110 * (len(fields.get("attrs") or []) // 2)
+                kept += HELD_MESSAGE_OVERHEAD_BYTES  # every message's bookkeeping counts, stripped or not
                 if budget is None or kept + size <= budget:
                     kept += size
                     keep.append((doc_id, fields))

@@ -150,11 +150,12 @@ async def test_undelivered_counts_ready_and_in_flight_but_not_held(harness: Harn
 async def test_held_payloads_past_the_budget_stay_in_the_store_and_arrive_intact(
     make_harness: Callable[..., Harness],
 ) -> None:
-    harness = await make_harness(max_held_bytes=30).start()
+    harness = await make_harness(max_held_bytes=3_000).start()
     runtime = harness.runtimes["orders"]
     await harness.publish("orders", [("k", seq) for seq in range(2, 12)])  # all held: 1 is missing
-    # Each payload is 7 bytes (data "k:N" plus attribute "seq"="N"): 4 fit in the budget of 30.
-    assert (runtime.counters.payloads_stripped, runtime.held_bytes) == (6, 28)
+    # Each held message counts 600 bytes of bookkeeping, plus 150 for a payload kept (data "k:N" and
+    # attribute "seq"="N", with object headers): 4 payloads fit in 3,000 bytes, 6 stay in the store.
+    assert (runtime.counters.payloads_stripped, runtime.held_bytes) == (6, 4 * 750 + 6 * 600)
     subscriber = await harness.subscribe("orders", max_outstanding=100, auto_ack=True)
     await harness.publish("orders", [("k", 1)])
 

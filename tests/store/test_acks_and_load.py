@@ -169,7 +169,9 @@ async def test_load_keeps_payloads_within_the_budget_and_reads_the_rest_back(mak
     store = make_store()
     await _stored(store, [incoming("a", seq, data=bytes([seq]) * 1_000) for seq in range(2, 12)])  # held: 1 missing
     restarted = make_store()
-    snapshot = await restarted.load("orders", 2000, None, 3_500)
+    # Each message counts 600 bytes of bookkeeping, plus 1,143 for a payload kept (1,000 data bytes,
+    # one attribute, object headers): 3 payloads fit in 6,000 bytes.
+    snapshot = await restarted.load("orders", 2000, None, 6_000)
     kept = [m for m in snapshot.pending if not m.payload.stripped]
     stripped = [m for m in snapshot.pending if m.payload.stripped]
     assert len(kept) == 3 and len(stripped) == 7
