@@ -20,6 +20,7 @@ _COMMANDS: dict[str, str] = {
     "emulators": "sidecar.emulators.main:run_command",
     "demo": "sidecar.demo:run_command",
     "status": "sidecar.status:run_command",
+    "dead-letters": "sidecar.dead_letters_cli:run_command",
     "bench": "bench.__main__:run_command",
 }
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--max-keys", type=int, default=50, help="waiting keys to show per subscription")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the sidecar")
+
+    dead_letters = sub.add_parser("dead-letters", help="see and discard what waits on a dead-letter subscription")
+    # The options live with the command; importing its pure module loads no Google library.
+    importlib.import_module("sidecar.dead_letters_cli").add_arguments(dead_letters)
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
     bench.add_argument("--quick", action="store_true")
