@@ -80,6 +80,7 @@ _COUNT_NAMES = (
     "skipped",
     "gap_timeouts",
     "keys_evicted",
+    "unblocked",
 )
 """Cumulative counters in ``EngineStatus.counts`` (plus ``dead_lettered:<reason>``)."""
 
@@ -103,6 +104,10 @@ plus this: a message held for long must not pin every finished message queued be
 
 class UnknownDelivery(KeyError):
     """An ack or nack of a delivery id that is not in flight for that consumer."""
+
+
+class KeyNotBlocked(LookupError):
+    """``unblock`` of a key that is not stopped at a dead letter (unknown, running, or still publishing it)."""
 
 
 class Engine:
@@ -483,6 +488,36 @@ class Engine:
         self._refresh(key, now_ms)
         return []
 
+    def is_blocked(self, key_name: str) -> bool:
+        """True while the key is stopped at a dead letter (``on_dead_letter: block``)."""
+        key = self._keys.get(key_name)
+        return key is not None and key.blocked
+
+    def unblock(self, key_name: str, position: object, now_ms: int) -> Message | None:
+        """An operator skips the dead letter at ``position`` that blocks the key; the store has
+        already recorded it durably (``Store.unblock``). The key's later messages are delivered in
+        order from here on, as if the dead letter had been skipped. Returns the blocking message
+        when this engine holds it (None for a key restored blocked: only the store knew where).
+        Raises KeyNotBlocked when the key is not blocked."""
+        key = self._keys.get(key_name)
+        if key is None or not key.blocked:
+            raise KeyNotBlocked(f"key {key_name!r} is not blocked by a dead letter")
+        key.blocked = False
+        key.blocked_since = None
+        self._counts["unblocked"] += 1
+        entry = next((e for e in key.out if e.state == BLOCKED), None)
+        message = None
+        if entry is None:
+            self._policy.pass_restored_block(key, position)
+        else:
+            # The BLOCKED entry already left the pending count; it finishes like a skipped one.
+            entry.state = DONE
+            message = entry.message
+            self._retire_finished(key)
+        self._refresh(key, now_ms)
+        self._maybe_idle(key)
+        return message
+
     def advance_watermark(self, watermark_ms: int, now_ms: int) -> list[Action]:
         """Release what the watermark passed. A watermark at or below the current one is ignored
         (it never moves back); outside watermark mode this is a no-op."""
@@ -832,12 +867,7 @@ class Engine:
             if entry.late:
                 self._policy.forget(key, entry)
             else:
-                out = key.out
-                policy = self._policy
-                # The cursor passes a finished prefix of ``out``, but never a message a nack gave
-                # back that waits before it (it is not in ``out`` until handed out again).
-                while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
-                    policy.retire(key, out.pop(0))
+                self._retire_finished(key)
             if key.n_out == 0:
                 key.consumer = None
             self._refresh(key, now_ms)
@@ -845,6 +875,14 @@ class Engine:
         arrivals = self._arrivals
         if len(arrivals) > 2 * self._n_undelivered + _ARRIVALS_COMPACT_MIN:
             self._arrivals = deque(e for e in arrivals if not e.deliveries and e.state not in (DONE, BLOCKED))
+
+    def _retire_finished(self, key: KeyState) -> None:
+        out = key.out
+        policy = self._policy
+        # The cursor passes a finished prefix of ``out``, but never a message a nack gave
+        # back that waits before it (it is not in ``out`` until handed out again).
+        while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
+            policy.retire(key, out.pop(0))
 
     def _on_gap_timeout(self, key: KeyState, now_ms: int) -> None:
         self._counts["gap_timeouts"] += 1

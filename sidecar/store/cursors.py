@@ -22,6 +22,13 @@ Invariants:
   under ``block`` they record ``blocked_at``. Late messages are dead-lettered *aside*
   (``layout.DEAD_LETTERED_ASIDE``): they never block a key; in sequence mode they finish their
   position (it will never be delivered), so a restarted key does not wait for it again.
+- **An operator's unblock** (``fold_unblock``) passes the dead letter a key is blocked at as if it
+  had been skipped, and records the position in ``unblocked_at`` (a maximum). The unblock is made
+  durable by writing the key's cursor document at once; recovery then folds the blocking
+  message's ``dead_lettered`` tombstone after that document, and ``fold_dead_letter`` treats an
+  in-order dead letter at or below ``unblocked_at`` as skipped, so a restart never blocks the key
+  again. (Nothing in the key's order can be dead-lettered below a position an operator passed:
+  the key was stopped there, and whatever comes below it later is late, dead-lettered aside.)
 - **Cursors never move back**: every fold takes the maximum.
 - **Coalescing.** A key's cursor document is written at most once per ``interval_ms`` (Firestore
   sustains about one write per second per document); changes in between leave the key ``dirty``
@@ -58,6 +65,8 @@ class KeyState:
     """sequence mode: sequences above ``next_sequence`` already finished durably."""
     blocked_at: Cursor | None = None
     """The in-order dead letter the key stopped at under ``on_dead_letter: block``."""
+    unblocked_at: Cursor | None = None
+    """The highest blocking dead letter an operator passed (``fold_unblock``)."""
     written_ms: int | None = None
     """When this process last wrote the key's cursor document (None: not since start)."""
     dirty_since_ms: int | None = None
@@ -124,6 +133,8 @@ def fold_dead_letter(
         return
     if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
+    if state.unblocked_at is not None and position <= state.unblocked_at:  # type: ignore[operator]
+        policy = "skip"  # an operator passed it (module docstring)
     if policy == "block":
         if state.blocked_at is None or position < state.blocked_at:  # type: ignore[operator]
             state.blocked_at = position
@@ -133,6 +144,18 @@ def fold_dead_letter(
             state.done_above.add(position)
             _walk(state)
     # watermark + skip: the ack after it carries a cursor past it (the engine counts it as finished).
+
+
+def fold_unblock(state: KeyState, mode: Mode, position: Cursor) -> None:
+    """An operator passed the dead letter at ``position`` the key was blocked at: it counts as skipped."""
+    state.unblocked_at = _max(state.unblocked_at, position)
+    if state.blocked_at is not None and state.blocked_at <= position:  # type: ignore[operator]
+        state.blocked_at = None
+    if mode == "sequence" and isinstance(position, int):
+        if state.next_sequence is not None and position >= state.next_sequence:
+            state.done_above.add(position)
+            _walk(state)
+    # watermark: like a skip, the next ack carries a cursor past it.
 
 
 def is_blocked(state: KeyState) -> bool:
@@ -263,6 +286,10 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
         fields["blk_seq"] = state.blocked_at
     elif state.blocked_at is not None:
         fields["blk_ts"], fields["blk_id"] = state.blocked_at
+    if isinstance(state.unblocked_at, int):
+        fields["unb_seq"] = state.unblocked_at
+    elif state.unblocked_at is not None:
+        fields["unb_ts"], fields["unb_id"] = state.unblocked_at
     return fields
 
 
@@ -284,6 +311,10 @@ def state_from_cursor_doc(doc_id: str, fields: dict[str, Any]) -> KeyState:
             state.blocked_at = _int(fields["blk_seq"])
         elif fields.get("blk_ts") is not None:
             state.blocked_at = (_int(fields["blk_ts"]), str(fields["blk_id"]))
+        if fields.get("unb_seq") is not None:
+            state.unblocked_at = _int(fields["unb_seq"])
+        elif fields.get("unb_ts") is not None:
+            state.unblocked_at = (_int(fields["unb_ts"]), str(fields["unb_id"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDocument(f"{what}: {exc!r}") from exc
     return state
