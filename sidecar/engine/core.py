@@ -616,9 +616,23 @@ class Engine:
         waiting_for = ""
         since = key.wait_since
         missing = None
+        blocked_id, blocked_seq = "", None
         if key.blocked:
             state, waiting_for = "blocked_dead_letter", "an operator: the key stopped at a dead letter"
             since = key.blocked_since
+            blocking = next((e for e in key.out if e.state == BLOCKED), None)
+            if blocking is not None:
+                blocked_id, blocked_seq = blocking.message.message_id, blocking.message.sequence
+            elif self._seq is not None:
+                blocked_seq = key.cursor  # type: ignore[assignment]  # restored blocked: stopped at its cursor
+            which = ", ".join(
+                part
+                for part in (f"sequence {blocked_seq}" if blocked_seq is not None else "",
+                             f"message {blocked_id}" if blocked_id else "")
+                if part
+            )  # fmt: skip
+            if which:
+                waiting_for = f"an operator: the key stopped at a dead letter ({which})"
         elif key.dead_lettering:
             state, waiting_for = "blocked_dead_letter", "the dead-letter publish to finish"
         elif key.backoff_until is not None:
@@ -645,6 +659,8 @@ class Engine:
             in_flight=key.n_out,
             next_sequence=key.cursor if self._seq is not None else None,  # type: ignore[arg-type]
             missing_sequence=missing,
+            blocked_message_id=blocked_id,
+            blocked_sequence=blocked_seq,
         )
 
     # ---- internals --------------------------------------------------------------------------

@@ -167,6 +167,9 @@ class KeyStatus:
     in_flight: int
     next_sequence: int | None = None
     missing_sequence: int | None = None
+    blocked_message_id: str = ""
+    """blocked_dead_letter: the Pub/Sub id of the dead letter the key stopped at ("" when unknown)."""
+    blocked_sequence: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
