@@ -99,7 +99,7 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, KeyNotBlocked):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key is not blocked"
     if isinstance(exc, StoreError):
-        return grpc.StatusCode.UNAVAILABLE, f"the store could not record it, nothing changed; retry: {exc}"
+        return grpc.StatusCode.UNAVAILABLE, f"the store did not confirm it (it may have applied): retry: {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 

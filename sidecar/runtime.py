@@ -504,7 +504,8 @@ class SubscriptionRuntime:
             if not engine.is_blocked(key):
                 raise KeyNotBlocked(f"key {key!r} of subscription {self.name!r} is not blocked by a dead letter")
             position = await self._store.unblock(self.name, key, self._clock())
-            message = engine.unblock(key, position, self._clock())
+            message, actions = engine.unblock(key, position, self._clock())
+            self._apply(actions)
         _LOGGER.warning(
             "subscription %s: key unblocked by an operator; its dead letter at %s is skipped",
             self.name,

@@ -493,11 +493,13 @@ class Engine:
         key = self._keys.get(key_name)
         return key is not None and key.blocked
 
-    def unblock(self, key_name: str, position: object, now_ms: int) -> Message | None:
+    def unblock(self, key_name: str, position: object, now_ms: int) -> tuple[Message | None, list[Action]]:
         """An operator skips the dead letter at ``position`` that blocks the key; the store has
         already recorded it durably (``Store.unblock``). The key's later messages are delivered in
         order from here on, as if the dead letter had been skipped. Returns the blocking message
-        when this engine holds it (None for a key restored blocked: only the store knew where).
+        when this engine holds it (None for a key restored blocked: only the store knew where),
+        and a DropDuplicate (``finish_record``) for a pending copy of the skipped message (stored
+        again after its tombstone expired): the operator skipped it, it is never delivered.
         Raises KeyNotBlocked when the key is not blocked."""
         key = self._keys.get(key_name)
         if key is None or not key.blocked:
@@ -507,8 +509,15 @@ class Engine:
         self._counts["unblocked"] += 1
         entry = next((e for e in key.out if e.state == BLOCKED), None)
         message = None
+        actions: list[Action] = []
         if entry is None:
-            self._policy.pass_restored_block(key, position)
+            copy = self._policy.pass_restored_block(key, position)
+            if copy is not None:
+                self._n_pending -= 1
+                if not copy.deliveries:
+                    self._n_undelivered -= 1
+                self._counts["duplicates"] += 1
+                actions.append(DropDuplicate(copy.message, "the message an operator skipped", finish_record=True))
         else:
             # The BLOCKED entry already left the pending count; it finishes like a skipped one.
             entry.state = DONE
@@ -516,7 +525,7 @@ class Engine:
             self._retire_finished(key)
         self._refresh(key, now_ms)
         self._maybe_idle(key)
-        return message
+        return message, actions
 
     def advance_watermark(self, watermark_ms: int, now_ms: int) -> list[Action]:
         """Release what the watermark passed. A watermark at or below the current one is ignored

@@ -146,9 +146,10 @@ class WatermarkPolicy:
     def on_blocked(self, key: KeyState, entry: Entry) -> None:
         self.forget(key, entry)
 
-    def pass_restored_block(self, key: KeyState, position: object) -> None:
-        """Unblock a key restored blocked: nothing to pass here (its dead letter is a tombstone in the
-        store, never pending), and the next ack's cursor moves past it."""
+    def pass_restored_block(self, key: KeyState, position: object) -> Entry | None:
+        """Unblock a key restored blocked: the next ack's cursor moves past the dead letter. A copy of
+        it stored again after its tombstone expired is not looked for here (it is delivered)."""
+        return None
 
     def held_below(self, key: KeyState, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""

@@ -369,7 +369,7 @@ def _blocked_at_one(**overrides: object) -> Engine:
 
 def test_unblock_skips_the_blocking_message_and_delivers_the_rest_in_order() -> None:
     engine = _blocked_at_one()
-    assert engine.unblock("k", 1, 2) == seq_message("k", 1)
+    assert engine.unblock("k", 1, 2) == (seq_message("k", 1), [])
     assert not engine.is_blocked("k")
     assert ack_all(engine) == [("k", 2)]
     assert ack_all(engine) == [("k", 3)]
@@ -402,7 +402,7 @@ def test_unblock_of_a_key_restored_blocked_passes_the_position_the_store_gives()
     )
     engine = Engine.restore(config, snapshot, 0)
     assert taken(engine) == []
-    assert engine.unblock("k", 4, 1) is None
+    assert engine.unblock("k", 4, 1) == (None, [])
     assert ack_all(engine, now_ms=1) == [("k", 5)]
     assert ack_all(engine, now_ms=1) == [("k", 6)]
     assert engine.export().cursors == (KeyCursor(key="k", next_sequence=7),)
@@ -430,7 +430,21 @@ def test_watermark_unblock_releases_the_key() -> None:
     (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
     engine.dead_letter_done(letter.message, 1)
     assert engine.take("c", 1, 1) == []
-    assert engine.unblock("p", None, 2) == first.message
+    assert engine.unblock("p", None, 2) == (first.message, [])
     (second,) = engine.take("c", 1, 2)
     assert second.message.timestamp_ms == 200
     assert engine.ack("c", second.delivery_id, 2).cursor == (200, second.message.dedup_id)
+
+
+def test_restored_unblock_drops_a_pending_copy_of_the_skipped_message() -> None:
+    # 4's tombstone expired and Pub/Sub redelivered it: stored again, pending behind the block at 4.
+    config = EngineConfig(mode="sequence", on_dead_letter="block")
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor(key="k", next_sequence=4, blocked=True),),
+        pending=(seq_message("k", 4), seq_message("k", 5)),
+    )
+    engine = Engine.restore(config, snapshot, 0)
+    _message, actions = engine.unblock("k", 4, 1)
+    assert actions == [DropDuplicate(seq_message("k", 4), "the message an operator skipped", finish_record=True)]
+    assert ack_all(engine, now_ms=1) == [("k", 5)]
+    assert engine.status(1)[0].buffered == 0

@@ -234,7 +234,8 @@ async def test_unblock_is_durable_and_a_restart_does_not_block_the_key_again(mak
     assert snapshot.cursors == (KeyCursor("a", 3),)
     assert [m.sequence for m in snapshot.pending] == [3]
     (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
-    assert cursor["unb_seq"] == 2 and "blk_seq" not in cursor
+    # The cursor passed 2, so the unblock needs no record any more: a block at 2 would not count.
+    assert cursor["next_seq"] == 3 and "blk_seq" not in cursor and "unb_seq" not in cursor
 
 
 async def test_unblock_above_an_unfinished_message_keeps_that_message_pending(make_store):
@@ -246,6 +247,8 @@ async def test_unblock_above_an_unfinished_message_keeps_that_message_pending(ma
     snapshot = await make_store(config).load("orders", 2000)
     assert snapshot.cursors == (KeyCursor("a", 1, acked_above=(2,)),)
     assert [m.sequence for m in snapshot.pending] == [1]
+    (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
+    assert cursor["unb_seq"] == [2] and cursor["above_seq"] == [2]
 
 
 async def test_watermark_unblock_survives_a_restart(make_store):

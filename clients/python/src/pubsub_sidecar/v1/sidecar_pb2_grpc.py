@@ -105,7 +105,8 @@ class OrderedDeliveryServicer:
         calls this. NOT_FOUND for an unknown subscription; FAILED_PRECONDITION when the
         key is not blocked (unknown, running, or its dead letter is still being
         published); INVALID_ARGUMENT for an empty subscription or key; UNAVAILABLE when
-        the store cannot record it now (nothing changed: retry).
+        the store did not confirm the record (it may have applied; the key stays blocked
+        in this process until a retry succeeds or a restart finds it): retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
