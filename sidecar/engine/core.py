@@ -156,6 +156,7 @@ class Engine:
         self._n_ready = 0
         self._n_out = 0
         self._n_waiting_keys = 0
+        self._n_dead_letter_blocked = 0
         self._memory: DedupMemory | None = None
         self._seq: SequencePolicy | None = None
         self._wm: WatermarkPolicy | None = None
@@ -200,7 +201,9 @@ class Engine:
             seen.add(cursor.key)
             if engine._none is not None:
                 continue  # none mode keeps no cursors
-            engine._policy.restore_cursor(engine._key(cursor.key, rebuild=False), cursor)
+            key = engine._key(cursor.key, rebuild=False)
+            engine._policy.restore_cursor(key, cursor)
+            engine._n_dead_letter_blocked += key.blocked
         if snapshot.watermark_ms is not None and engine._wm is not None:
             engine._wm.watermark_ms = snapshot.watermark_ms
         for message in sorted(snapshot.pending, key=_stored_at):
@@ -484,6 +487,7 @@ class Engine:
         self._n_pending -= 1
         key.blocked = True
         key.blocked_since = now_ms
+        self._n_dead_letter_blocked += 1
         self._policy.on_blocked(key, entry)
         self._refresh(key, now_ms)
         return []
@@ -506,6 +510,7 @@ class Engine:
             raise KeyNotBlocked(f"key {key_name!r} is not blocked by a dead letter")
         key.blocked = False
         key.blocked_since = None
+        self._n_dead_letter_blocked -= 1
         self._counts["unblocked"] += 1
         entry = next((e for e in key.out if e.state == BLOCKED), None)
         message = None
@@ -603,6 +608,7 @@ class Engine:
             oldest_undelivered_ms=arrivals[0].message.stored_at_ms if arrivals else None,
             watermark_ms=self._wm.watermark_ms if self._wm is not None else None,
             counts=self._all_counts(),
+            keys_blocked_dead_letter=self._n_dead_letter_blocked,
         )
         if max_keys <= 0 or self._none is not None:
             return status, []
@@ -683,6 +689,7 @@ class Engine:
                 cursor = self._cursor_source(name)  # a key forgotten while idle: rebuilt as it was
                 if cursor is not None:
                     self._policy.restore_cursor(key, cursor)
+                    self._n_dead_letter_blocked += key.blocked
         return key
 
     def _maybe_idle(self, key: KeyState) -> None:

@@ -188,6 +188,8 @@ class EngineStatus:
     counts: dict[str, int]
     """Cumulative counters: stored, delivered, acked, nacked, expired, duplicates, dead_lettered, late,
     skipped, and dead_lettered:<reason> per reason."""
+    keys_blocked_dead_letter: int = 0
+    """Keys stopped at a dead letter (``on_dead_letter: block``) until an operator acts: the alarm."""
 
 
 # ---- recovery --------------------------------------------------------------------------------

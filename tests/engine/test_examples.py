@@ -364,6 +364,7 @@ def _blocked_at_one(**overrides: object) -> Engine:
     (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
     engine.dead_letter_done(letter.message, 1)
     assert engine.is_blocked("k") and taken(engine) == []
+    assert engine.status(1)[0].keys_blocked_dead_letter == 1
     return engine
 
 
@@ -375,6 +376,7 @@ def test_unblock_skips_the_blocking_message_and_delivers_the_rest_in_order() -> 
     assert ack_all(engine) == [("k", 3)]
     assert engine.export().cursors == (KeyCursor(key="k", next_sequence=4),)
     assert engine.status(3)[0].counts["unblocked"] == 1
+    assert engine.status(3)[0].keys_blocked_dead_letter == 0
 
 
 def test_the_first_ack_after_an_unblock_carries_a_cursor_past_the_skipped_message() -> None:
@@ -402,7 +404,9 @@ def test_unblock_of_a_key_restored_blocked_passes_the_position_the_store_gives()
     )
     engine = Engine.restore(config, snapshot, 0)
     assert taken(engine) == []
+    assert engine.status(0)[0].keys_blocked_dead_letter == 1
     assert engine.unblock("k", 4, 1) == (None, [])
+    assert engine.status(1)[0].keys_blocked_dead_letter == 0
     assert ack_all(engine, now_ms=1) == [("k", 5)]
     assert ack_all(engine, now_ms=1) == [("k", 6)]
     assert engine.export().cursors == (KeyCursor(key="k", next_sequence=7),)
