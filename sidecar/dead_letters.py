@@ -70,6 +70,8 @@ class DeadLetterSubscription:
         self._owns_client = client is None
         self._client = client if client is not None else pubsub_v1.SubscriberClient()
         self._held: dict[str, WaitingLetter] = {}
+        """By the dead letter's message id: a message whose lease lapsed mid-scan comes back with a new
+        ack id and replaces its entry (only the newest ack id is valid)."""
 
     def check(self) -> None:
         """Raise ``SubscriptionNotFound`` unless the subscription exists (before touching any message)."""
@@ -93,11 +95,11 @@ class DeadLetterSubscription:
             if not response.received_messages:
                 break
             fresh = [self._letter(received) for received in response.received_messages]
-            new = [letter for letter in fresh if letter.ack_id not in self._held]
-            self._held.update((letter.ack_id, letter) for letter in new)
-            self._modack([letter.ack_id for letter in new], _SCAN_LEASE_SECONDS)
+            self._held.update((letter.dead_letter_id, letter) for letter in fresh)
+            self._modack([letter.ack_id for letter in fresh], _SCAN_LEASE_SECONDS)
             if time.monotonic() - renewed_at > _SCAN_LEASE_SECONDS / 2:
-                self._modack(list(self._held), _SCAN_LEASE_SECONDS)  # a long scan keeps its first messages
+                # A long scan keeps its first messages.
+                self._modack([letter.ack_id for letter in self._held.values()], _SCAN_LEASE_SECONDS)
                 renewed_at = time.monotonic()
         return list(self._held.values()), len(self._held) >= max_messages
 
@@ -106,12 +108,12 @@ class DeadLetterSubscription:
         ack_ids = [letter.ack_id for letter in letters]
         for chunk in _chunks(ack_ids):
             self._call("Acknowledge", self._client.acknowledge, request={"subscription": self.path, "ack_ids": chunk})
-        for ack_id in ack_ids:
-            self._held.pop(ack_id, None)
+        for letter in letters:
+            self._held.pop(letter.dead_letter_id, None)
 
     def release(self) -> None:
         """Give every message still held back to the subscription at once (best effort: leases lapse anyway)."""
-        held, self._held = list(self._held), {}
+        held, self._held = [letter.ack_id for letter in self._held.values()], {}
         try:
             self._modack(held, 0)
         except DeadLetterToolError as exc:
