@@ -20,6 +20,8 @@ _COMMANDS: dict[str, str] = {
     "emulators": "sidecar.emulators.main:run_command",
     "demo": "sidecar.demo:run_command",
     "status": "sidecar.status:run_command",
+    "dead-letters": "sidecar.dead_letters_cli:run_command",
+    "unblock": "sidecar.unblock_cli:run_command",
     "bench": "bench.__main__:run_command",
 }
 
@@ -57,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--max-keys", type=int, default=50, help="waiting keys to show per subscription")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the sidecar")
+
+    dead_letters = sub.add_parser("dead-letters", help="see and discard what waits on a dead-letter subscription")
+    # The options live with the command; importing its pure module loads no Google library.
+    importlib.import_module("sidecar.dead_letters_cli").add_arguments(dead_letters)
+
+    unblock = sub.add_parser("unblock", help="skip the dead letter that blocks a key (recorded durably)")
+    unblock.add_argument("--target", required=True, help="sidecar address, host:port or unix:///path")
+    unblock.add_argument("--subscription", required=True, help="the subscription `name` from the sidecar's config")
+    unblock.add_argument("--key", required=True, help="the blocked ordering key")
+    unblock.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the sidecar (default 30)")
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
     bench.add_argument("--quick", action="store_true")

@@ -6,7 +6,10 @@ Rules:
   ``sidecar_reason``, ``sidecar_subscription``, ``sidecar_key``, ``sidecar_delivery_attempts`` and
   ``sidecar_message_id`` (the original Pub/Sub message id: the dead letter gets a new one), and
   ``sidecar_ordering_key`` when the original had one (this publisher does not enable ordering, so the
-  ordering key travels as an attribute). A sidecar attribute replaces an original one of the same name.
+  ordering key travels as an attribute), and the message's position in its key's order when it has
+  one: ``sidecar_sequence`` (sequence mode) or ``sidecar_timestamp_ms`` (watermark mode), which
+  ``pubsub-sidecar dead-letters list`` shows without knowing the sidecar's config. A sidecar
+  attribute replaces an original one of the same name.
 - ``publish`` returns only once Pub/Sub accepted the message and raises ``DeadLetterPublishError``
   otherwise. There is exactly one retry layer and it is the caller's (runtime and ingest retry with
   backoff and keep the message un-acked meanwhile): the client's own retries are switched off, so an
@@ -84,6 +87,8 @@ def dead_letter_attributes(
     attempts: int,
     message_id: str,
     ordering_key: str = "",
+    sequence: int | None = None,
+    timestamp_ms: int | None = None,
 ) -> dict[str, str]:
     """The attributes of a dead letter: the original ones plus the sidecar's (which win on a clash)."""
     result = dict(attributes)
@@ -94,6 +99,10 @@ def dead_letter_attributes(
     result["sidecar_message_id"] = _cut_utf8(message_id, _MAX_ATTRIBUTE_VALUE_BYTES)
     if ordering_key:
         result["sidecar_ordering_key"] = _cut_utf8(ordering_key, _MAX_ATTRIBUTE_VALUE_BYTES)
+    if sequence is not None:
+        result["sidecar_sequence"] = str(sequence)
+    if timestamp_ms is not None:
+        result["sidecar_timestamp_ms"] = str(timestamp_ms)
     return result
 
 
@@ -145,6 +154,8 @@ class DeadLetterPublisher:
                 attempts=attempts,
                 message_id=message.message_id,
                 ordering_key=payload.ordering_key,
+                sequence=message.sequence,
+                timestamp_ms=message.timestamp_ms,
             ),
             message.message_id,
         )

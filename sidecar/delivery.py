@@ -1,4 +1,4 @@
-"""The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams and GetStatus.
+"""The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams, GetStatus, UnblockKey.
 
 The only module that turns engine types into protobuf messages. Rules:
 
@@ -35,12 +35,14 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery_handlers import Undecodable
+from sidecar.engine.core import KeyNotBlocked
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
 from sidecar.runtime import AckTicket, SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.store.api import StoreError
 
 _LOGGER = logging.getLogger(__name__)
 
-_M = TypeVar("_M", sidecar_pb2.SubscribeRequest, sidecar_pb2.GetStatusRequest)
+_M = TypeVar("_M", sidecar_pb2.SubscribeRequest, sidecar_pb2.GetStatusRequest, sidecar_pb2.UnblockKeyRequest)
 
 DEFAULT_MAX_OUTSTANDING = 1000
 """Pub/Sub's own client default: enough to keep 1,000 keys busy with one message each."""
@@ -94,6 +96,10 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown subscription"
     if isinstance(exc, SubscriptionUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, KeyNotBlocked):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key is not blocked"
+    if isinstance(exc, StoreError):
+        return grpc.StatusCode.UNAVAILABLE, f"the store did not confirm it (it may have applied): retry: {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
@@ -365,6 +371,34 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             await self._abort(context, exc)
             raise  # unreachable: abort raises
 
+    # ---- UnblockKey ------------------------------------------------------------------------
+
+    async def UnblockKey(
+        self, request: sidecar_pb2.UnblockKeyRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.UnblockKeyResponse:
+        try:
+            request = _decoded(request)
+            runtime = self._runtime(request.subscription, field="subscription")
+            if not request.key:
+                raise BadRequest("key is required: the ordering key to unblock")
+            if not runtime.is_ready:
+                raise SubscriptionUnavailable(runtime.unavailable_reason())
+            try:
+                unblocked = await runtime.unblock(request.key)
+            except KeyNotBlocked as exc:
+                raise KeyNotBlocked(f"key {_quote(request.key)} of subscription {_quote(runtime.name)} is not "
+                                    "blocked by a dead letter (unknown, running, or its dead letter is still "
+                                    "being published)") from exc  # fmt: skip
+            response = sidecar_pb2.UnblockKeyResponse(skipped_message_id=unblocked.message_id or "")
+            if isinstance(unblocked.position, int):
+                response.skipped_sequence = unblocked.position
+            elif isinstance(unblocked.position, tuple):
+                response.skipped_timestamp.CopyFrom(_timestamp(int(unblocked.position[0])))
+            return response
+        except Exception as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: abort raises
+
     # ---- shared ----------------------------------------------------------------------------
 
     def _runtime(self, name: str, *, field: str) -> SubscriptionRuntime:
@@ -489,4 +523,8 @@ def _subscription_status(
             detail.next_sequence = key.next_sequence
         if key.missing_sequence is not None:
             detail.missing_sequence = key.missing_sequence
+        if key.blocked_message_id:
+            detail.blocked_message_id = key.blocked_message_id
+        if key.blocked_sequence is not None:
+            detail.blocked_sequence = key.blocked_sequence
     return proto

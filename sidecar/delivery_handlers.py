@@ -51,6 +51,8 @@ class _Servicer(Protocol):
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
 
+    async def UnblockKey(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+
 
 def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """What ``add_OrderedDeliveryServicer_to_server`` registers, with the decoders above."""
@@ -66,6 +68,11 @@ def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.GetStatus,
                 request_deserializer=_decoder(sidecar_pb2.GetStatusRequest),
                 response_serializer=sidecar_pb2.GetStatusResponse.SerializeToString,
+            ),
+            "UnblockKey": grpc.unary_unary_rpc_method_handler(
+                servicer.UnblockKey,
+                request_deserializer=_decoder(sidecar_pb2.UnblockKeyRequest),
+                response_serializer=sidecar_pb2.UnblockKeyResponse.SerializeToString,
             ),
         },
     )

@@ -54,6 +54,7 @@ class SubscriptionMetrics:
     keys_blocked: int
     oldest_undelivered_age_seconds: float
     watermark_lag_seconds: float | None
+    keys_blocked_dead_letter: int = 0
 
 
 class SidecarCollector(Collector):
@@ -89,6 +90,10 @@ class SidecarCollector(Collector):
             "buffered_messages": ("buffered", "Messages stored and not yet acked, dead-lettered or dropped."),
             "in_flight_messages": ("in_flight", "Messages delivered to the app and not yet acked."),
             "keys_blocked": ("keys_blocked", "Keys holding messages behind a gap, the watermark or a dead letter."),
+            "keys_blocked_dead_letter": (
+                "keys_blocked_dead_letter",
+                "Keys stopped at a dead letter (on_dead_letter: block) until an operator unblocks or replays.",
+            ),
             "oldest_undelivered_age_seconds": (
                 "oldest_undelivered_age_seconds",
                 "Age of the oldest stored message not yet delivered: the number to alert on.",

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from sidecar.engine import Engine, UnknownDelivery
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
+from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, KeyNotBlocked, payload_size
 from sidecar.engine.types import (
     AckIntent,
     Action,
@@ -93,6 +93,17 @@ class DeadLetterSink(Protocol):
 
 class SubscriptionUnavailable(Exception):
     """The subscription cannot serve now: still recovering, stopping, or failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unblocked:
+    """What ``unblock`` passed: the key's blocking dead letter, now skipped durably."""
+
+    key: str
+    position: object | None
+    """The sequence or ``(timestamp_ms, dedup_id)`` passed; None if the store had no durable block."""
+    message_id: str | None
+    """The dead-lettered message's Pub/Sub id when this process holds it (not after a restart)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +170,7 @@ class SubscriptionRuntime:
         self._on_delivered = on_delivered
         """Observer of every batch ``take`` hands out, with ``now_ms`` (metrics: publish-to-delivery)."""
         self._engine: Engine | None = None
+        self._unblock_lock = asyncio.Lock()
         self._max_held_bytes = max_held_bytes
         """Payload bytes kept in memory for stored messages not yet handed out (None: no limit)."""
         self._held_bytes = 0
@@ -486,6 +498,26 @@ class SubscriptionRuntime:
         return engine.status(self._clock(), max_keys=max_keys)
 
     # ---- internals -------------------------------------------------------------------------
+
+    async def unblock(self, key: str) -> Unblocked:
+        """An operator skips the dead letter that blocks ``key``: recorded in the store first (a
+        restart keeps it), then the engine delivers the key's next messages. Raises KeyNotBlocked
+        when the key is not blocked, StoreError when the store cannot record it (nothing changed)."""
+        engine = self._require_engine()
+        async with self._unblock_lock:  # one at a time: the second of two sees the key running
+            if not engine.is_blocked(key):
+                raise KeyNotBlocked(f"key {key!r} of subscription {self.name!r} is not blocked by a dead letter")
+            position = await self._store.unblock(self.name, key, self._clock())
+            message, actions = engine.unblock(key, position, self._clock())
+            self._apply(actions)
+        _LOGGER.warning(
+            "subscription %s: key unblocked by an operator; its dead letter at %s is skipped",
+            self.name,
+            position,
+            extra={"subscription": self.name, "key": key, "message_id": message.message_id if message else None},
+        )
+        self._after_change()
+        return Unblocked(key, position, message.message_id if message is not None else None)
 
     def _require_engine(self) -> Engine:
         if self._engine is None:

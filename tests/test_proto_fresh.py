@@ -61,6 +61,7 @@ def test_generated_service_has_the_contract_names() -> None:
     assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
         "Subscribe": ("SubscribeRequest", "SubscribeResponse"),
         "GetStatus": ("GetStatusRequest", "GetStatusResponse"),
+        "UnblockKey": ("UnblockKeyRequest", "UnblockKeyResponse"),
     }
     message = sidecar_pb2.OrderedMessage.DESCRIPTOR
     assert [(f.name, f.number) for f in message.fields] == [

@@ -80,6 +80,7 @@ _COUNT_NAMES = (
     "skipped",
     "gap_timeouts",
     "keys_evicted",
+    "unblocked",
 )
 """Cumulative counters in ``EngineStatus.counts`` (plus ``dead_lettered:<reason>``)."""
 
@@ -103,6 +104,10 @@ plus this: a message held for long must not pin every finished message queued be
 
 class UnknownDelivery(KeyError):
     """An ack or nack of a delivery id that is not in flight for that consumer."""
+
+
+class KeyNotBlocked(LookupError):
+    """``unblock`` of a key that is not stopped at a dead letter (unknown, running, or still publishing it)."""
 
 
 class Engine:
@@ -151,6 +156,7 @@ class Engine:
         self._n_ready = 0
         self._n_out = 0
         self._n_waiting_keys = 0
+        self._n_dead_letter_blocked = 0
         self._memory: DedupMemory | None = None
         self._seq: SequencePolicy | None = None
         self._wm: WatermarkPolicy | None = None
@@ -195,7 +201,9 @@ class Engine:
             seen.add(cursor.key)
             if engine._none is not None:
                 continue  # none mode keeps no cursors
-            engine._policy.restore_cursor(engine._key(cursor.key, rebuild=False), cursor)
+            key = engine._key(cursor.key, rebuild=False)
+            engine._policy.restore_cursor(key, cursor)
+            engine._n_dead_letter_blocked += key.blocked
         if snapshot.watermark_ms is not None and engine._wm is not None:
             engine._wm.watermark_ms = snapshot.watermark_ms
         for message in sorted(snapshot.pending, key=_stored_at):
@@ -479,9 +487,50 @@ class Engine:
         self._n_pending -= 1
         key.blocked = True
         key.blocked_since = now_ms
+        self._n_dead_letter_blocked += 1
         self._policy.on_blocked(key, entry)
         self._refresh(key, now_ms)
         return []
+
+    def is_blocked(self, key_name: str) -> bool:
+        """True while the key is stopped at a dead letter (``on_dead_letter: block``)."""
+        key = self._keys.get(key_name)
+        return key is not None and key.blocked
+
+    def unblock(self, key_name: str, position: object, now_ms: int) -> tuple[Message | None, list[Action]]:
+        """An operator skips the dead letter at ``position`` that blocks the key; the store has
+        already recorded it durably (``Store.unblock``). The key's later messages are delivered in
+        order from here on, as if the dead letter had been skipped. Returns the blocking message
+        when this engine holds it (None for a key restored blocked: only the store knew where),
+        and a DropDuplicate (``finish_record``) for a pending copy of the skipped message (stored
+        again after its tombstone expired): the operator skipped it, it is never delivered.
+        Raises KeyNotBlocked when the key is not blocked."""
+        key = self._keys.get(key_name)
+        if key is None or not key.blocked:
+            raise KeyNotBlocked(f"key {key_name!r} is not blocked by a dead letter")
+        key.blocked = False
+        key.blocked_since = None
+        self._n_dead_letter_blocked -= 1
+        self._counts["unblocked"] += 1
+        entry = next((e for e in key.out if e.state == BLOCKED), None)
+        message = None
+        actions: list[Action] = []
+        if entry is None:
+            copy = self._policy.pass_restored_block(key, position)
+            if copy is not None:
+                self._n_pending -= 1
+                if not copy.deliveries:
+                    self._n_undelivered -= 1
+                self._counts["duplicates"] += 1
+                actions.append(DropDuplicate(copy.message, "the message an operator skipped", finish_record=True))
+        else:
+            # The BLOCKED entry already left the pending count; it finishes like a skipped one.
+            entry.state = DONE
+            message = entry.message
+            self._retire_finished(key)
+        self._refresh(key, now_ms)
+        self._maybe_idle(key)
+        return message, actions
 
     def advance_watermark(self, watermark_ms: int, now_ms: int) -> list[Action]:
         """Release what the watermark passed. A watermark at or below the current one is ignored
@@ -559,6 +608,7 @@ class Engine:
             oldest_undelivered_ms=arrivals[0].message.stored_at_ms if arrivals else None,
             watermark_ms=self._wm.watermark_ms if self._wm is not None else None,
             counts=self._all_counts(),
+            keys_blocked_dead_letter=self._n_dead_letter_blocked,
         )
         if max_keys <= 0 or self._none is not None:
             return status, []
@@ -581,9 +631,23 @@ class Engine:
         waiting_for = ""
         since = key.wait_since
         missing = None
+        blocked_id, blocked_seq = "", None
         if key.blocked:
             state, waiting_for = "blocked_dead_letter", "an operator: the key stopped at a dead letter"
             since = key.blocked_since
+            blocking = next((e for e in key.out if e.state == BLOCKED), None)
+            if blocking is not None:
+                blocked_id, blocked_seq = blocking.message.message_id, blocking.message.sequence
+            elif self._seq is not None:
+                blocked_seq = key.cursor  # type: ignore[assignment]  # restored blocked: stopped at its cursor
+            which = ", ".join(
+                part
+                for part in (f"sequence {blocked_seq}" if blocked_seq is not None else "",
+                             f"message {blocked_id}" if blocked_id else "")
+                if part
+            )  # fmt: skip
+            if which:
+                waiting_for = f"an operator: the key stopped at a dead letter ({which})"
         elif key.dead_lettering:
             state, waiting_for = "blocked_dead_letter", "the dead-letter publish to finish"
         elif key.backoff_until is not None:
@@ -610,6 +674,8 @@ class Engine:
             in_flight=key.n_out,
             next_sequence=key.cursor if self._seq is not None else None,  # type: ignore[arg-type]
             missing_sequence=missing,
+            blocked_message_id=blocked_id,
+            blocked_sequence=blocked_seq,
         )
 
     # ---- internals --------------------------------------------------------------------------
@@ -623,6 +689,7 @@ class Engine:
                 cursor = self._cursor_source(name)  # a key forgotten while idle: rebuilt as it was
                 if cursor is not None:
                     self._policy.restore_cursor(key, cursor)
+                    self._n_dead_letter_blocked += key.blocked
         return key
 
     def _maybe_idle(self, key: KeyState) -> None:
@@ -832,12 +899,7 @@ class Engine:
             if entry.late:
                 self._policy.forget(key, entry)
             else:
-                out = key.out
-                policy = self._policy
-                # The cursor passes a finished prefix of ``out``, but never a message a nack gave
-                # back that waits before it (it is not in ``out`` until handed out again).
-                while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
-                    policy.retire(key, out.pop(0))
+                self._retire_finished(key)
             if key.n_out == 0:
                 key.consumer = None
             self._refresh(key, now_ms)
@@ -845,6 +907,14 @@ class Engine:
         arrivals = self._arrivals
         if len(arrivals) > 2 * self._n_undelivered + _ARRIVALS_COMPACT_MIN:
             self._arrivals = deque(e for e in arrivals if not e.deliveries and e.state not in (DONE, BLOCKED))
+
+    def _retire_finished(self, key: KeyState) -> None:
+        out = key.out
+        policy = self._policy
+        # The cursor passes a finished prefix of ``out``, but never a message a nack gave
+        # back that waits before it (it is not in ``out`` until handed out again).
+        while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
+            policy.retire(key, out.pop(0))
 
     def _on_gap_timeout(self, key: KeyState, now_ms: int) -> None:
         self._counts["gap_timeouts"] += 1

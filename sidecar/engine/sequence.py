@@ -182,6 +182,39 @@ class SequencePolicy:
     def on_blocked(self, key: KeyState, entry: Entry) -> None:
         """Kept in the index: a redelivery of the blocking message stays a duplicate."""
 
+    def pass_restored_block(self, key: KeyState, position: object) -> Entry | None:
+        """Unblock a key restored blocked (no entry here): ``position`` counts as finished.
+
+        Restored blocked, nothing of the key was handed out since, so ``out`` holds only finished
+        placeholders. The blocked sequence becomes one more; the cursor walks over those at its head
+        and the run of stored sequences is recomputed from there. A held copy of the skipped message
+        (stored again after its tombstone expired) is taken out and returned, to be dropped."""
+        if type(position) is not int or key.cursor is None or position < key.cursor:  # type: ignore[operator]
+            return None
+        copy = key.index.get(position)
+        if copy is not None:
+            if copy.state != HELD or copy.late:
+                return None  # a finished placeholder: nothing to pass
+            del key.index[position]
+            key.heap.remove(position)
+            heapq.heapify(key.heap)
+            key.n_held -= 1
+            copy.state = DONE
+        placeholder = Entry(Message(key.name, "", "", b"", 0, sequence=position), key, position, 0)
+        placeholder.state = DONE
+        key.index[position] = placeholder
+        out = key.out
+        i = len(out)
+        while i and out[i - 1].pos > position:  # type: ignore[operator]
+            i -= 1
+        out.insert(i, placeholder)
+        while out and out[0].state == DONE and out[0].pos == key.cursor:
+            self.retire(key, out.pop(0))
+        key.next_out = key.run_end = max(key.next_out, key.cursor)  # type: ignore[call-overload]
+        key.n_ready = len(key.late)
+        _extend_run(key)
+        return copy
+
     def held_below(self, key: KeyState, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""
         heap = key.heap

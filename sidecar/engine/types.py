@@ -167,6 +167,9 @@ class KeyStatus:
     in_flight: int
     next_sequence: int | None = None
     missing_sequence: int | None = None
+    blocked_message_id: str = ""
+    """blocked_dead_letter: the Pub/Sub id of the dead letter the key stopped at ("" when unknown)."""
+    blocked_sequence: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,8 @@ class EngineStatus:
     counts: dict[str, int]
     """Cumulative counters: stored, delivered, acked, nacked, expired, duplicates, dead_lettered, late,
     skipped, and dead_lettered:<reason> per reason."""
+    keys_blocked_dead_letter: int = 0
+    """Keys stopped at a dead letter (``on_dead_letter: block``) until an operator acts: the alarm."""
 
 
 # ---- recovery --------------------------------------------------------------------------------

@@ -139,11 +139,17 @@ class WatermarkPolicy:
 
     def forget(self, key: KeyState, entry: Entry) -> None:
         message = entry.message
-        del self.by_id[message.dedup_id]
+        # pop: an entry that blocked its key was forgotten then and is retired after an unblock.
+        self.by_id.pop(message.dedup_id, None)
         self.memory.remember(message.dedup_id, message.stored_at_ms)
 
     def on_blocked(self, key: KeyState, entry: Entry) -> None:
         self.forget(key, entry)
+
+    def pass_restored_block(self, key: KeyState, position: object) -> Entry | None:
+        """Unblock a key restored blocked: the next ack's cursor moves past the dead letter. A copy of
+        it stored again after its tombstone expired is not looked for here (it is delivered)."""
+        return None
 
     def held_below(self, key: KeyState, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""

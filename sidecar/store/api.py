@@ -129,6 +129,13 @@ class Store(Protocol):
         "dropped" (a duplicate the engine found, e.g. below the cursor). Raises StoreError if not durable."""
         ...
 
+    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+        """Record durably that an operator passed the dead letter ``key`` is blocked at: after a
+        restart the key is not blocked again, and that position counts as skipped. Returns the
+        position passed (a sequence, or ``(timestamp_ms, dedup_id)``), None when the store does not
+        have the key blocked. Raises StoreError if not durable."""
+        ...
+
     async def load(
         self,
         subscription: str,

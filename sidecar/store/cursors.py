@@ -22,6 +22,15 @@ Invariants:
   under ``block`` they record ``blocked_at``. Late messages are dead-lettered *aside*
   (``layout.DEAD_LETTERED_ASIDE``): they never block a key; in sequence mode they finish their
   position (it will never be delivered), so a restarted key does not wait for it again.
+- **An operator's unblock** (``fold_unblock``) passes the dead letter a key is blocked at as if it
+  had been skipped, and adds its position to ``unblocked``. The unblock is made durable by writing
+  the key's cursor document at once; recovery then folds the blocking message's ``dead_lettered``
+  tombstone after that document, and ``fold_dead_letter`` treats an in-order dead letter at a
+  position in ``unblocked`` as skipped, so a restart never blocks the key again. Exactly that
+  position: a message below it may still be dead-lettered in order later (one in flight when the
+  key blocked, or one a gap timeout skipped before a restart) and must block. Positions the cursor
+  passed are forgotten (a block there would not count any more), so the set stays within the
+  key's in-flight window.
 - **Cursors never move back**: every fold takes the maximum.
 - **Coalescing.** A key's cursor document is written at most once per ``interval_ms`` (Firestore
   sustains about one write per second per document); changes in between leave the key ``dirty``
@@ -58,13 +67,15 @@ class KeyState:
     """sequence mode: sequences above ``next_sequence`` already finished durably."""
     blocked_at: Cursor | None = None
     """The in-order dead letter the key stopped at under ``on_dead_letter: block``."""
+    unblocked: set[Any] = field(default_factory=set)
+    """Positions of blocking dead letters an operator passed, not yet behind the cursor (``fold_unblock``)."""
     written_ms: int | None = None
     """When this process last wrote the key's cursor document (None: not since start)."""
     dirty_since_ms: int | None = None
     """Oldest durable change not yet in the cursor document (None: the document is current)."""
 
     def copy(self) -> KeyState:
-        return dataclasses.replace(self, done_above=set(self.done_above))
+        return dataclasses.replace(self, done_above=set(self.done_above), unblocked=set(self.unblocked))
 
 
 def _max(current: Any, new: Any) -> Any:
@@ -80,6 +91,8 @@ def _walk(state: KeyState) -> None:
         state.next_sequence += 1
     nxt = state.next_sequence
     state.done_above = {seq for seq in state.done_above if seq > nxt}
+    if state.unblocked:
+        state.unblocked = {seq for seq in state.unblocked if seq >= nxt}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,9 @@ def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, curso
         _walk(state)
     elif mode == "watermark" and isinstance(cursor, tuple):
         state.last_position = _max(state.last_position, (int(cursor[0]), str(cursor[1])))
+        if state.unblocked:
+            last = state.last_position
+            state.unblocked = {pos for pos in state.unblocked if pos > last}
 
 
 def fold_dead_letter(
@@ -124,6 +140,8 @@ def fold_dead_letter(
         return
     if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
+    if position in state.unblocked:
+        policy = "skip"  # an operator passed it (module docstring)
     if policy == "block":
         if state.blocked_at is None or position < state.blocked_at:  # type: ignore[operator]
             state.blocked_at = position
@@ -133,6 +151,18 @@ def fold_dead_letter(
             state.done_above.add(position)
             _walk(state)
     # watermark + skip: the ack after it carries a cursor past it (the engine counts it as finished).
+
+
+def fold_unblock(state: KeyState, mode: Mode, position: Cursor) -> None:
+    """An operator passed the dead letter at ``position`` the key was blocked at: it counts as skipped."""
+    state.unblocked.add(position)
+    if state.blocked_at == position:
+        state.blocked_at = None
+    if mode == "sequence" and isinstance(position, int):
+        if state.next_sequence is not None and position >= state.next_sequence:
+            state.done_above.add(position)
+            _walk(state)
+    # watermark: like a skip, the next ack carries a cursor past it.
 
 
 def is_blocked(state: KeyState) -> bool:
@@ -263,6 +293,13 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
         fields["blk_seq"] = state.blocked_at
     elif state.blocked_at is not None:
         fields["blk_ts"], fields["blk_id"] = state.blocked_at
+    if state.unblocked:
+        ordered = sorted(state.unblocked)
+        if isinstance(ordered[0], int):
+            fields["unb_seq"] = ordered
+        else:  # Firestore has no arrays of arrays: timestamps and ids side by side
+            fields["unb_ts"] = [pos[0] for pos in ordered]
+            fields["unb_id"] = [pos[1] for pos in ordered]
     return fields
 
 
@@ -284,6 +321,11 @@ def state_from_cursor_doc(doc_id: str, fields: dict[str, Any]) -> KeyState:
             state.blocked_at = _int(fields["blk_seq"])
         elif fields.get("blk_ts") is not None:
             state.blocked_at = (_int(fields["blk_ts"]), str(fields["blk_id"]))
+        state.unblocked = {_int(seq) for seq in fields.get("unb_seq") or []}
+        timestamps, ids = fields.get("unb_ts") or [], fields.get("unb_id") or []
+        if len(timestamps) != len(ids):
+            raise ValueError(f"unb_ts has {len(timestamps)} entries, unb_id {len(ids)}")
+        state.unblocked |= {(_int(ts), str(id_)) for ts, id_ in zip(timestamps, ids, strict=True)}
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDocument(f"{what}: {exc!r}") from exc
     return state

@@ -48,7 +48,16 @@ from sidecar.store.api import (
     StoreRejected,
     SubscriptionStoreConfig,
 )
-from sidecar.store.cursors import CursorBook, CursorRules, KeyState, cursor_fields, key_cursor, position_of
+from sidecar.store.cursors import (
+    CursorBook,
+    CursorRules,
+    KeyState,
+    cursor_fields,
+    fold_unblock,
+    is_blocked,
+    key_cursor,
+    position_of,
+)
 from sidecar.store.layout import message_path
 from sidecar.store.persist import Persister
 from sidecar.store.reader import Progress, Reader
@@ -215,6 +224,23 @@ class DocumentStore:
                 proposed = sub.book.propose(acks, dead, now_ms, aside)
                 await self._commit_cursors(sub, writes, proposed, now_ms, what)
         self._maybe_wake_flusher(sub)
+
+    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+        sub = self._sub(subscription)
+        async with sub.lock:
+            current = sub.book.states.get(key)
+            if current is None or current.blocked_at is None or not is_blocked(current):
+                return None
+            position = current.blocked_at
+            state = current.copy()
+            fold_unblock(state, sub.book.mode, position)
+            # Written now, whatever the coalescing interval: the operator's answer waits for it, and
+            # the document carries every durable change of the key (the book holds nothing else).
+            fields = cursor_fields(state)
+            fields["written_ms"] = now_ms
+            await self._documents.commit([docs.replace(f"{sub.path}/keys/{layout.key_doc_id(key)}", fields)])
+            sub.book.accept({key: state}, [state], now_ms)
+        return position
 
     async def _commit_cursors(
         self, sub: _Subscription, writes: list[docs.Write], proposed: dict[str, KeyState], now_ms: int, what: str

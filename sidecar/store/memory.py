@@ -24,7 +24,7 @@ import asyncio
 import collections
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store.api import (
@@ -38,7 +38,7 @@ from sidecar.store.api import (
 
 _PENDING = "pending"
 _TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dead_lettered_aside", "dropped"})
-_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load", "read_payloads"})
+_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load", "read_payloads", "unblock"})
 
 
 @dataclass(slots=True)
@@ -52,6 +52,8 @@ class _SubscriptionData:
     records: dict[str, _Record]
     """doc id -> record, in insertion (= stored) order."""
     cursors: dict[str, KeyCursor]
+    dead_lettered_at: dict[str, object] = field(default_factory=dict)
+    """key -> position of its last in-order dead letter (what ``unblock`` passes)."""
 
 
 def doc_id_for(key: str, dedup_id: str, sequence: int | None) -> str:
@@ -163,6 +165,17 @@ class MemoryStore:
                 continue
             if record.state == _PENDING:  # a tombstone stays what it first became
                 record.state = state
+                position = message.sequence if message.sequence is not None else message.timestamp_ms
+                if state == "dead_lettered" and position is not None:
+                    data.dead_lettered_at[message.key] = (
+                        position if message.sequence is not None else (position, message.dedup_id)
+                    )
+
+    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+        """The key's last in-order dead letter: this store does not know the policy, and its caller
+        (the runtime) asks only for a key the engine has blocked."""
+        self._enter("unblock")
+        return self._data(subscription).dead_lettered_at.pop(key, None)
 
     async def load(
         self,

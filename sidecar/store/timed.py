@@ -30,6 +30,9 @@ class TimedStore:
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
         await self._inner.mark_done(subscription, messages, state, now_ms)
 
+    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+        return await self._inner.unblock(subscription, key, now_ms)
+
     async def load(
         self,
         subscription: str,

@@ -17,6 +17,7 @@ from sidecar.engine import (
     SkippedRange,
     UnknownDelivery,
 )
+from sidecar.engine.core import KeyNotBlocked
 
 
 def sequence_engine(**overrides: object) -> Engine:
@@ -350,3 +351,104 @@ def test_jitter_outside_the_unit_interval_is_refused() -> None:
     (delivery,) = engine.take("c", 1, 0)
     with pytest.raises(ValueError, match="jitter"):
         engine.nack("c", delivery.delivery_id, 0)
+
+
+# ---- unblock (an operator skips the dead letter a key is blocked at) ----------------------------
+
+
+def _blocked_at_one(**overrides: object) -> Engine:
+    engine = sequence_engine(on_dead_letter="block", **overrides)
+    for seq in (1, 2, 3):
+        engine.on_stored(seq_message("k", seq), 0)
+    (first,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
+    engine.dead_letter_done(letter.message, 1)
+    assert engine.is_blocked("k") and taken(engine) == []
+    assert engine.status(1)[0].keys_blocked_dead_letter == 1
+    return engine
+
+
+def test_unblock_skips_the_blocking_message_and_delivers_the_rest_in_order() -> None:
+    engine = _blocked_at_one()
+    assert engine.unblock("k", 1, 2) == (seq_message("k", 1), [])
+    assert not engine.is_blocked("k")
+    assert ack_all(engine) == [("k", 2)]
+    assert ack_all(engine) == [("k", 3)]
+    assert engine.export().cursors == (KeyCursor(key="k", next_sequence=4),)
+    assert engine.status(3)[0].counts["unblocked"] == 1
+    assert engine.status(3)[0].keys_blocked_dead_letter == 0
+
+
+def test_the_first_ack_after_an_unblock_carries_a_cursor_past_the_skipped_message() -> None:
+    engine = _blocked_at_one()
+    engine.unblock("k", 1, 2)
+    (second,) = engine.take("c", 1, 2)
+    assert engine.ack("c", second.delivery_id, 2).cursor == 3
+
+
+def test_unblock_of_a_key_that_is_not_blocked_raises_and_changes_nothing() -> None:
+    engine = sequence_engine(on_dead_letter="block")
+    engine.on_stored(seq_message("k", 1), 0)
+    with pytest.raises(KeyNotBlocked):
+        engine.unblock("k", 1, 0)
+    with pytest.raises(KeyNotBlocked):
+        engine.unblock("unknown", 1, 0)
+    assert taken(engine) == [("k", 1)]
+
+
+def test_unblock_of_a_key_restored_blocked_passes_the_position_the_store_gives() -> None:
+    config = EngineConfig(mode="sequence", on_dead_letter="block")
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor(key="k", next_sequence=4, blocked=True),),
+        pending=(seq_message("k", 5), seq_message("k", 6)),
+    )
+    engine = Engine.restore(config, snapshot, 0)
+    assert taken(engine) == []
+    assert engine.status(0)[0].keys_blocked_dead_letter == 1
+    assert engine.unblock("k", 4, 1) == (None, [])
+    assert engine.status(1)[0].keys_blocked_dead_letter == 0
+    assert ack_all(engine, now_ms=1) == [("k", 5)]
+    assert ack_all(engine, now_ms=1) == [("k", 6)]
+    assert engine.export().cursors == (KeyCursor(key="k", next_sequence=7),)
+
+
+def test_restored_unblock_above_an_unfinished_message_waits_for_it() -> None:
+    # Acked 4 was not durable when 5 was dead-lettered in order (two in flight): the cursor is 4.
+    config = EngineConfig(mode="sequence", on_dead_letter="block", max_in_flight_per_key=2)
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor(key="k", next_sequence=4, blocked=True),),
+        pending=(seq_message("k", 4), seq_message("k", 6)),
+    )
+    engine = Engine.restore(config, snapshot, 0)
+    engine.unblock("k", 5, 1)
+    assert ack_all(engine, now_ms=1) == [("k", 4), ("k", 6)]
+    assert engine.export().cursors == (KeyCursor(key="k", next_sequence=7),)
+
+
+def test_watermark_unblock_releases_the_key() -> None:
+    engine = Engine(EngineConfig(mode="watermark", on_dead_letter="block"))
+    for ts in (100, 200):
+        engine.on_stored(wm_message("p", ts, f"id{ts}"), 0)
+    engine.advance_watermark(1_000, 0)
+    (first,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
+    engine.dead_letter_done(letter.message, 1)
+    assert engine.take("c", 1, 1) == []
+    assert engine.unblock("p", None, 2) == (first.message, [])
+    (second,) = engine.take("c", 1, 2)
+    assert second.message.timestamp_ms == 200
+    assert engine.ack("c", second.delivery_id, 2).cursor == (200, second.message.dedup_id)
+
+
+def test_restored_unblock_drops_a_pending_copy_of_the_skipped_message() -> None:
+    # 4's tombstone expired and Pub/Sub redelivered it: stored again, pending behind the block at 4.
+    config = EngineConfig(mode="sequence", on_dead_letter="block")
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor(key="k", next_sequence=4, blocked=True),),
+        pending=(seq_message("k", 4), seq_message("k", 5)),
+    )
+    engine = Engine.restore(config, snapshot, 0)
+    _message, actions = engine.unblock("k", 4, 1)
+    assert actions == [DropDuplicate(seq_message("k", 4), "the message an operator skipped", finish_record=True)]
+    assert ack_all(engine, now_ms=1) == [("k", 5)]
+    assert engine.status(1)[0].buffered == 0

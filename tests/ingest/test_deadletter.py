@@ -50,6 +50,7 @@ async def test_engine_message_is_published_with_original_data_and_sidecar_attrib
         "sidecar_delivery_attempts": "5",
         "sidecar_message_id": "m-1",
         "sidecar_ordering_key": "ok",
+        "sidecar_sequence": "7",
     }
     assert (publisher.published, publisher.failures) == (1, 0)
 

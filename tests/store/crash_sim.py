@@ -10,6 +10,8 @@ One ``Simulation`` plays everything around the store, step by step, deterministi
   ``commit_acks`` returned; a dead letter is published, then ``mark_done``, then ``dead_letter_done``.
 - **The app**: takes deliveries, acks (in any order, with ``max_in_flight_per_key`` > 1), nacks,
   asks for dead letters, closes its stream.
+- **An operator** unblocks a key blocked at a dead letter (``pubsub-sidecar unblock``): the store
+  records it (``Store.unblock``), then the engine passes the dead letter, as the runtime does.
 - **Faults**: a crash before or after the n-th next document write (a Commit or BatchWrite: between
   the Commits of one ack batch, between a persist and its Pub/Sub ack, anywhere), an answer lost
   after a write applied, TTL expiry of tombstones, time passing (ack deadlines, backoffs, gap timeouts).
@@ -22,7 +24,8 @@ G1 every valid message is confirmed or dead-lettered with a reason (or held dura
 blocked by its own in-order dead letter); G2 per key nothing is delivered before every earlier
 message was acked, dead-lettered or skipped by policy (or is in flight within the key's window);
 G3 nothing is delivered after its ack was confirmed; liveness: no key waits for a position that is
-already finished, and no key is blocked except by an in-order dead letter under ``block``.
+already finished, and no key is blocked except by an in-order dead letter under ``block`` that no
+operator passed (an unblock survives every crash after it was recorded).
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ class Simulation:
     """Finished messages whose tombstone the TTL policy deleted."""
     expired_in_order_dead_letters: set[Identity] = field(default_factory=set)
     expired_contents: set[tuple[str, int, bytes]] = field(default_factory=set)
+    confirmed_unblocks: set[Identity] = field(default_factory=set)
+    unblock_retries: set[str] = field(default_factory=set)
+    """Keys whose unblock answered UNAVAILABLE: the operator runs it again (``drain`` does)."""
     crashes: int = 0
     crash_points: int = 0
     """Crashes that struck inside a store write (between two document writes)."""
@@ -395,6 +401,35 @@ class Simulation:
             self.in_order_dead_letters.add(_identity(message))
         self._apply(life.engine.dead_letter_done(message, self.now_ms))
 
+    def op_unblock(self, arg: int) -> None:
+        """An operator skips the dead letter a blocked key stopped at: durable first, then the engine."""
+        life = self.life
+        blocked = sorted(f"k{i}" for i in range(self.config.keys) if life.engine.is_blocked(f"k{i}"))
+        if not blocked:
+            return
+        self._unblock(blocked[arg % len(blocked)])
+
+    def op_retry_unblocks(self, arg: int) -> None:
+        """The operator runs again each unblock that answered UNAVAILABLE (it may have applied)."""
+        for key in sorted(self.unblock_retries):
+            if self.life.engine.is_blocked(key):
+                self._unblock(key)
+            else:
+                self.unblock_retries.discard(key)  # a restart found it recorded
+
+    def _unblock(self, key: str) -> None:
+        life = self.life
+        try:
+            position = self._run(life.store.unblock(SUB, key, self.now_ms))
+        except StoreError:
+            self.unblock_retries.add(key)  # UNAVAILABLE: the operator retries
+            return
+        self.unblock_retries.discard(key)
+        if isinstance(position, int):
+            self.confirmed_unblocks.add((key, position))
+        _message, actions = life.engine.unblock(key, position, self.now_ms)
+        self._apply(actions)
+
     def op_drops(self, arg: int) -> None:
         life = self.life
         if not life.drops:
@@ -453,6 +488,7 @@ class Simulation:
         "arm_crash",
         "arm_crash",
         "lose_answer",
+        "unblock",
     )
 
     # ---- scripted steps, for the explicit examples ----------------------------------------------------
@@ -586,7 +622,7 @@ class Simulation:
         self._lose_next_answer = False
         for _ in range(rounds):
             for op in ("ingest", "ingest", "ingest", "pubsub_ack", "take", "take", "app_ack", "app_ack",
-                       "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush"):
+                       "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush", "retry_unblocks"):
                 self.step(op, len(self.pubsub) + len(self.life.outstanding))
             self.step("tick", 2)
             self.step("tick", 3)
@@ -636,7 +672,18 @@ class Simulation:
         if self.config.on_dead_letter != "block":
             return set()
         durable = self._documents_in((DEAD_LETTERED,)) | self.expired_in_order_dead_letters
-        return {key for key, _ in self.in_order_dead_letters | durable}
+        return {key for key, seq in self.in_order_dead_letters | durable if (key, seq) not in self.unblocked()}
+
+    def unblocked(self) -> set[Identity]:
+        """Dead letters an operator passed: those this run saw confirmed, and those the cursor
+        documents record (an unblock that applied just before a crash)."""
+        recorded = {
+            (fields["key"], seq)
+            for path, fields in self.documents.docs.items()
+            if "/keys/" in path
+            for seq in fields.get("unb_seq") or []
+        }
+        return self.confirmed_unblocks | recorded
 
     def pending_documents(self) -> set[Identity]:
         return self._documents_in(("pending",))

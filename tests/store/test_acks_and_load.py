@@ -220,3 +220,49 @@ async def test_cursor_documents_carry_no_ttl_and_a_layout_version(make_store):
     assert "expire_at" not in cursor and cursor["v"] == 1
     (tombstone,) = (await documents(client_of(store), f"{_ROOT}/messages")).values()
     assert tombstone["state"] == "acked" and "expire_at" in tombstone and "data" not in tombstone
+
+
+async def test_unblock_is_durable_and_a_restart_does_not_block_the_key_again(make_store):
+    config = {"orders": SubscriptionStoreConfig(mode="sequence", on_dead_letter="block")}
+    store = make_store(config)
+    one, two, _three = await _stored(store, [incoming("a", 1), incoming("a", 2), incoming("a", 3)])
+    await store.commit_acks("orders", [ack(one, 2)], 1000)
+    await store.mark_done("orders", [two], "dead_lettered", 1100)
+    assert store.cursor("orders", "a") == KeyCursor("a", 2, blocked=True)
+    # Within the coalescing interval of the last cursor write: the unblock writes it anyway.
+    assert await store.unblock("orders", "a", 1200) == 2
+    assert await store.unblock("orders", "a", 1300) is None  # not blocked any more
+    snapshot = await make_store(config).load("orders", 2000)
+    assert snapshot.cursors == (KeyCursor("a", 3),)
+    assert [m.sequence for m in snapshot.pending] == [3]
+    (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
+    # The cursor passed 2, so the unblock needs no record any more: a block at 2 would not count.
+    assert cursor["next_seq"] == 3 and "blk_seq" not in cursor and "unb_seq" not in cursor
+
+
+async def test_unblock_above_an_unfinished_message_keeps_that_message_pending(make_store):
+    config = {"orders": SubscriptionStoreConfig(mode="sequence", on_dead_letter="block")}
+    store = make_store(config)
+    _one, two = await _stored(store, [incoming("a", 1), incoming("a", 2)])
+    await store.mark_done("orders", [two], "dead_lettered", 1100)  # 2 dead-lettered while 1 was in flight
+    assert await store.unblock("orders", "a", 1200) == 2
+    snapshot = await make_store(config).load("orders", 2000)
+    assert snapshot.cursors == (KeyCursor("a", 1, acked_above=(2,)),)
+    assert [m.sequence for m in snapshot.pending] == [1]
+    (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
+    assert cursor["unb_seq"] == [2] and cursor["above_seq"] == [2]
+
+
+async def test_watermark_unblock_survives_a_restart(make_store):
+    config = {"prices": SubscriptionStoreConfig(mode="watermark", on_dead_letter="block")}
+    store = make_store(config)
+    first, _second = await _stored(
+        store, [incoming("p", timestamp_ms=100, dedup_id="id100"), incoming("p", timestamp_ms=200, dedup_id="id200")],
+        subscription="prices",
+    )  # fmt: skip
+    await store.mark_done("prices", [first], "dead_lettered", 1100)
+    assert (await make_store(config).load("prices", 1500)).cursors == (KeyCursor("p", blocked=True),)
+    assert await store.unblock("prices", "p", 1200) == (100, "id100")
+    snapshot = await make_store(config).load("prices", 2000)
+    assert snapshot.cursors == ()
+    assert [m.timestamp_ms for m in snapshot.pending] == [200]

@@ -226,3 +226,42 @@ def test_j_recovery_ends_after_dead_letters_in_a_row() -> None:
     (again,) = sim.take()
     assert again.message.sequence == 3
     _finish(sim)
+
+
+def test_u_an_unblock_survives_crashes_before_and_after_its_write() -> None:
+    """Blocked at 2 (3 in flight with a window of 2): a crash before the unblock's write leaves the key
+    blocked; after it, the key is never blocked again and 3, then 4, are delivered."""
+    sim = Simulation(SimConfig(keys=1, per_key=4, max_in_flight=2, on_dead_letter="block"))
+    sim.ingest_all()
+    assert [d.message.sequence for d in sim.take()] == [1, 2]
+    sim.ack("k0", 1)
+    sim.settle()
+    assert [d.message.sequence for d in sim.take()] == [3]
+    sim.nack("k0", 2, dead_letter=True)
+    sim.dead_letter_all()
+    assert sim.life.engine.is_blocked("k0")
+    sim.step("crash", 0)
+    assert sim.life.engine.is_blocked("k0") and sim.take() == []
+    sim.step("arm_crash", 0)  # crash before the unblock's Commit: nothing recorded
+    sim.step("unblock", 0)
+    assert sim.crashes == 2 and sim.life.engine.is_blocked("k0")
+    sim.step("arm_crash", 1)  # crash right after it: recorded
+    sim.step("unblock", 0)
+    assert sim.crashes == 3 and not sim.life.engine.is_blocked("k0")
+    assert [d.message.sequence for d in sim.take()] == [3, 4]
+    _finish(sim)
+
+
+def test_v_an_unblocked_key_without_a_crash_goes_on_in_order() -> None:
+    sim = Simulation(SimConfig(keys=1, per_key=3, on_dead_letter="block"))
+    sim.ingest_all()
+    sim.take()
+    sim.nack("k0", 1, dead_letter=True)
+    sim.dead_letter_all()
+    sim.step("unblock", 0)
+    assert [d.message.sequence for d in sim.take()] == [2]
+    sim.ack("k0", 2)
+    sim.settle()
+    sim.step("crash", 0)
+    assert [d.message.sequence for d in sim.take()] == [3]
+    _finish(sim)

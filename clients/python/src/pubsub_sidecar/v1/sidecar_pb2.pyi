@@ -145,7 +145,7 @@ class SubscriptionStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ...) -> None: ...
 
 class KeyStatus(_message.Message):
-    __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence")
+    __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence", "blocked_message_id", "blocked_sequence")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,8 @@ class KeyStatus(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MISSING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     state: str
     waiting_for: str
@@ -162,4 +164,24 @@ class KeyStatus(_message.Message):
     in_flight: int
     next_sequence: int
     missing_sequence: int
-    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., buffered: _Optional[int] = ..., in_flight: _Optional[int] = ..., next_sequence: _Optional[int] = ..., missing_sequence: _Optional[int] = ...) -> None: ...
+    blocked_message_id: str
+    blocked_sequence: int
+    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., buffered: _Optional[int] = ..., in_flight: _Optional[int] = ..., next_sequence: _Optional[int] = ..., missing_sequence: _Optional[int] = ..., blocked_message_id: _Optional[str] = ..., blocked_sequence: _Optional[int] = ...) -> None: ...
+
+class UnblockKeyRequest(_message.Message):
+    __slots__ = ("subscription", "key")
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    subscription: str
+    key: str
+    def __init__(self, subscription: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class UnblockKeyResponse(_message.Message):
+    __slots__ = ("skipped_sequence", "skipped_timestamp", "skipped_message_id")
+    SKIPPED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    skipped_sequence: int
+    skipped_timestamp: _timestamp_pb2.Timestamp
+    skipped_message_id: str
+    def __init__(self, skipped_sequence: _Optional[int] = ..., skipped_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., skipped_message_id: _Optional[str] = ...) -> None: ...

@@ -45,6 +45,11 @@ class OrderedDeliveryStub:
                 request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.UnblockKey = channel.unary_unary(
+                '/pubsub_sidecar.v1.OrderedDelivery/UnblockKey',
+                request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.SerializeToString,
+                response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.FromString,
+                _registered_method=True)
 
 
 class OrderedDeliveryServicer:
@@ -92,6 +97,21 @@ class OrderedDeliveryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnblockKey(self, request, context):
+        """Operator action: skip the dead letter that blocks `key` (a key stopped at a
+        dead-lettered message under `on_dead_letter: block`), as if it had been skipped.
+        Recorded durably before the answer: after a restart the key is not blocked again.
+        The key's later messages are then delivered in order. `pubsub-sidecar unblock`
+        calls this. NOT_FOUND for an unknown subscription; FAILED_PRECONDITION when the
+        key is not blocked (unknown, running, or its dead letter is still being
+        published); INVALID_ARGUMENT for an empty subscription or key; UNAVAILABLE when
+        the store did not confirm the record (it may have applied; the key stays blocked
+        in this process until a retry succeeds or a restart finds it): retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrderedDeliveryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -104,6 +124,11 @@ def add_OrderedDeliveryServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusRequest.FromString,
                     response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'UnblockKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnblockKey,
+                    request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.FromString,
+                    response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -161,6 +186,33 @@ class OrderedDelivery:
             '/pubsub_sidecar.v1.OrderedDelivery/GetStatus',
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusRequest.SerializeToString,
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnblockKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pubsub_sidecar.v1.OrderedDelivery/UnblockKey',
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.SerializeToString,
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,77 @@
+"""k8s/alerts: the PrometheusRule renders with `kubectl kustomize` and alerts on metrics the sidecar exports."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+
+from sidecar.durations import parse_duration_ms
+from sidecar.observability import SidecarCollector, SubscriptionMetrics
+
+ALERTS = Path(__file__).resolve().parents[2] / "k8s" / "alerts"
+
+
+@pytest.fixture(scope="module")
+def rule() -> dict[str, Any]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(ALERTS)], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    (document,) = list(yaml.safe_load_all(rendered))
+    return document  # type: ignore[no-any-return]
+
+
+def exported_metrics() -> dict[str, set[str]]:
+    """Metric name -> label names, from the sidecar's own collector with a blocked key."""
+    snapshot = SubscriptionMetrics(
+        subscription="orders", received=1, malformed=0, duplicates=0, delivered=1, acked=0, nacked=1, late=0,
+        dead_lettered={"app_dead_letter": 1}, buffered=1, in_flight=0, keys_blocked=1,
+        oldest_undelivered_age_seconds=3.0, watermark_lag_seconds=None, keys_blocked_dead_letter=1,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(SidecarCollector(lambda: [snapshot]))
+    metrics: dict[str, set[str]] = {}
+    for line in generate_latest(registry).decode().splitlines():
+        match = re.match(r"([a-z_]+)\{([^}]*)\}", line)
+        if match:
+            labels = {pair.split("=")[0] for pair in match.group(2).split(",") if pair}
+            metrics.setdefault(match.group(1), set()).update(labels)
+    return metrics
+
+
+def test_the_rule_renders_as_a_prometheus_rule(rule: dict[str, Any]) -> None:
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {
+        "PubsubSidecarKeyBlockedByDeadLetter",
+        "PubsubSidecarDeadLettering",
+        "PubsubSidecarDeadLetterBacklogOld",
+    }
+    for alert in alerts.values():
+        assert alert["expr"].strip() and alert["labels"]["severity"] in ("page", "ticket")
+        if "for" in alert:
+            parse_duration_ms(alert["for"])
+
+
+def test_every_sidecar_metric_an_alert_uses_is_exported_with_its_labels(rule: dict[str, Any]) -> None:
+    exported = exported_metrics()
+    assert exported["pubsub_sidecar_keys_blocked_dead_letter"] == {"subscription"}
+    used = 0
+    for group in rule["spec"]["groups"]:
+        for alert in group["rules"]:
+            for name in re.findall(r"\b(pubsub_sidecar_[a-z_]+)\b", alert["expr"]):
+                used += 1
+                assert name in exported, f"{alert['alert']} uses {name}, which the sidecar does not export"
+                for labels in re.findall(r"by \(([^)]*)\)", alert["expr"]):
+                    sidecar_labels = {label.strip() for label in labels.split(",")} - {"namespace", "pod"}
+                    assert sidecar_labels <= exported[name], f"{alert['alert']}: {sidecar_labels} not on {name}"
+    assert used == 2
