@@ -241,9 +241,17 @@ class SequencePolicy:
         return None
 
     def skip_gap(self, key: KeyState) -> int:
-        """Pass over the missing sequences up to the lowest held one; returns how many were skipped."""
-        target = key.heap[0]
-        first, last = key.next_out, target - 1
+        """Pass over the missing sequences; returns how many were skipped.
+
+        Only what is missing is skipped: up to the lowest sequence the key holds at all, which may be
+        one finished before a restart (a restored placeholder) rather than the lowest held one. A
+        finished sequence inside a skipped range would later look like a late arrival and could be
+        delivered again (G3)."""
+        held = key.heap[0]
+        first = key.next_out
+        lowest = min((seq for seq in key.index if first <= seq < held), default=held)
+        last = lowest - 1
+        target = held
         skipped = key.skipped
         skipped.append([first, last])
         if len(skipped) > _MAX_SKIPPED_RANGES_PER_KEY:
@@ -256,7 +264,12 @@ class SequencePolicy:
         if entry.skipped is None:
             entry.skipped = []
         entry.skipped.append(SkippedRange(first, last))
-        key.next_out = key.run_end = target
+        # Step over sequences finished before a restart: the next to hand out is missing or held.
+        following = lowest
+        index = key.index
+        while following < held and following in index and index[following].state != HELD:
+            following += 1
+        key.next_out = key.run_end = following
         key.n_ready = len(key.late)
         _extend_run(key)
         skipped_count: int = last - first + 1

@@ -452,3 +452,21 @@ def test_restored_unblock_drops_a_pending_copy_of_the_skipped_message() -> None:
     assert actions == [DropDuplicate(seq_message("k", 4), "the message an operator skipped", finish_record=True)]
     assert ack_all(engine, now_ms=1) == [("k", 5)]
     assert engine.status(1)[0].buffered == 0
+
+
+def test_a_gap_skip_after_a_restart_skips_only_what_is_missing() -> None:
+    # Restored: cursor 1, 2 and 3 acked above it, 4 finished too, 6 pending: only 1 and 5 are missing.
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor("k", next_sequence=1, acked_above=(2, 3, 4)),), pending=(seq_message("k", 6),)
+    )
+    config = EngineConfig(mode="sequence", gap_timeout_ms=10, on_gap_timeout="skip", on_late="deliver")
+    engine = Engine.restore(config, snapshot, 0)
+    engine.tick(0)
+    engine.tick(10)  # the gap at 1 times out
+    engine.tick(20)  # then the gap at 5
+    (delivery,) = engine.take("c", 5, 20)
+    assert delivery.message.sequence == 6
+    assert [(r.first, r.last) for r in delivery.skipped] == [(1, 1), (5, 5)]
+    # An acked message is never taken for a late one: a copy of 3 is a duplicate, not delivered.
+    (action,) = engine.on_stored(seq_message("k", 3), 20)
+    assert isinstance(action, DropDuplicate)
