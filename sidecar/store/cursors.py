@@ -142,6 +142,8 @@ def fold_dead_letter(
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
     if position in state.unblocked:
         policy = "skip"  # an operator passed it (module docstring)
+    if _behind_cursor(state, position):
+        return  # already passed (skipped, or unblocked and then forgotten): it cannot block any more
     if policy == "block":
         if state.blocked_at is None or position < state.blocked_at:  # type: ignore[operator]
             state.blocked_at = position
@@ -151,6 +153,12 @@ def fold_dead_letter(
             state.done_above.add(position)
             _walk(state)
     # watermark + skip: the ack after it carries a cursor past it (the engine counts it as finished).
+
+
+def _behind_cursor(state: KeyState, position: int | Position) -> bool:
+    if isinstance(position, int):
+        return state.next_sequence is not None and position < state.next_sequence
+    return state.last_position is not None and position <= state.last_position
 
 
 def fold_unblock(state: KeyState, mode: Mode, position: Cursor) -> None:

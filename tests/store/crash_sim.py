@@ -454,8 +454,9 @@ class Simulation:
         """Time passes beyond the dedup TTL and the TTL policy deletes expired tombstones. So much
         time also means the runtime's retries (ack commits, dead letters, drops) and the store's
         background flush have run meanwhile."""
-        for op in ("commit_acks", "drops", "dead_letter"):
-            getattr(self, f"op_{op}")(arg)
+        for _ in range(5):  # retried until they succeed, as the runtime does long before a TTL runs out
+            for op in ("commit_acks", "drops", "dead_letter", "retry_unblocks"):
+                getattr(self, f"op_{op}")(arg)
         self.now_ms += 1_100  # the background flush runs a cursor interval after the last commit
         self.op_flush(arg)
         self.now_ms += self.config.dedup_ttl_ms + 1
