@@ -58,15 +58,10 @@ def main() -> int:
         config, operations = draw(seed, args.steps)
         sim = Simulation(config)
         try:
-            for op, arg in operations:
-                sim.step(op, arg)
-            sim.drain()
-            sim.check_end()
+            sim.run(operations)
         except AssertionError as exc:
             totals["violations"] += 1
             print(f"seed {seed}: {exc}", flush=True)
-        finally:
-            sim.close()
         totals["runs"] += 1
         totals["crashes"] += sim.crashes
         totals["crash_points"] += sim.crash_points

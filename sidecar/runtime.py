@@ -49,7 +49,6 @@ from sidecar.engine.types import (
     Deliver,
     DropDuplicate,
     EngineConfig,
-    EngineSnapshot,
     EngineStatus,
     Hold,
     KeyStatus,
@@ -236,7 +235,7 @@ class SubscriptionRuntime:
             self.recovered_documents = documents
             self._recovery_progress_ms = self._clock()
 
-        snapshot = await self._retry_load(progress)
+        snapshot = await self._retry_store(self._store.load, progress=progress, max_payload_bytes=self._max_held_bytes)
         now_ms = self._clock()
         self._engine = Engine.restore(
             self._config,
@@ -263,17 +262,6 @@ class SubscriptionRuntime:
         if self._engine is not None or self._recovery_progress_ms is None:
             return True
         return self._clock() - self._recovery_progress_ms < RECOVERY_STALL_SECONDS * 1000
-
-    async def _retry_load(self, progress: Callable[[int], None]) -> EngineSnapshot:
-        attempt = 0
-        while True:
-            try:
-                return await self._store.load(self.name, self._clock(), progress, self._max_held_bytes)
-            except StoreUnavailable as exc:
-                self.counters.store_retries += 1
-                _LOGGER.warning("subscription %s: store load unavailable (%s); retrying", self.name, exc)
-            await asyncio.sleep(_backoff_seconds(attempt))
-            attempt += 1
 
     async def start(self) -> None:
         """Run the background work (timers, ack commits, dead letters) in a task of its own."""
@@ -671,8 +659,8 @@ class SubscriptionRuntime:
                     # Harmless: an unmarked duplicate is loaded again and dropped again by the engine.
                     _LOGGER.exception("subscription %s: could not record %d dropped duplicates", self.name, len(batch))
 
-    async def _retry_store(self, method: Callable[..., Awaitable[_T]], *args: object) -> _T:
-        """``method(subscription, *args, now_ms)`` until it succeeds.
+    async def _retry_store(self, method: Callable[..., Awaitable[_T]], *args: object, **kwargs: object) -> _T:
+        """``method(subscription, *args, now_ms, **kwargs)`` until it succeeds.
 
         StoreUnavailable is retried with backoff (``now_ms`` read afresh each time); other
         StoreErrors raise.
@@ -681,7 +669,7 @@ class SubscriptionRuntime:
         attempt = 0
         while True:
             try:
-                return await method(self.name, *args, self._clock())
+                return await method(self.name, *args, self._clock(), **kwargs)
             except StoreUnavailable as exc:
                 self.counters.store_retries += 1
                 _LOGGER.warning("subscription %s: store %s unavailable (%s); retrying", self.name, what, exc)

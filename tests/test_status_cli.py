@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import json
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
+from incoming_messages import sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar import cli
@@ -20,7 +20,7 @@ from sidecar.engine.types import EngineConfig, Message
 from sidecar.grpc_server import GrpcServer
 from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
 from sidecar.status import EXIT_FAILED, fetch_and_render, format_age, format_json, format_table, status_to_dict
-from sidecar.store.api import IncomingMessage, PersistOutcome
+from sidecar.store.api import PersistOutcome
 from sidecar.store.memory import MemoryStore
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -215,19 +215,6 @@ class _DiscardDeadLetters:
         self.published += 1
 
 
-def _incoming(key: str, seq: int) -> IncomingMessage:
-    return IncomingMessage(
-        key=key,
-        dedup_id=f"{key}/{seq}",
-        message_id=f"m-{key}-{seq}",
-        data=f"{key}:{seq}".encode(),
-        attributes={"seq": str(seq)},
-        ordering_key="",
-        publish_time_ms=wall_clock_ms(),
-        fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
-        sequence=seq,
-    )
-
 
 @pytest.fixture
 async def sidecar_with_a_gap() -> AsyncIterator[str]:
@@ -241,7 +228,7 @@ async def sidecar_with_a_gap() -> AsyncIterator[str]:
         address = await server.start()
         await server.set_serving()
         results = await store.persist(
-            "orders", [_incoming("a", 2), _incoming("a", 3), _incoming("b", 1)], wall_clock_ms()
+            "orders", [sequence_message("a", 2), sequence_message("a", 3), sequence_message("b", 1)], wall_clock_ms()
         )
         assert {r.outcome for r in results} == {PersistOutcome.STORED}
         runtime.on_stored([r.message for r in results])

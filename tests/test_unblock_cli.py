@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from incoming_messages import sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar import cli
 from sidecar.engine.types import EngineConfig, Message
 from sidecar.grpc_server import GrpcServer
 from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
-from sidecar.store.api import IncomingMessage, PersistOutcome
+from sidecar.store.api import PersistOutcome
 from sidecar.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,19 +28,6 @@ class _Sink:
     async def publish(self, subscription: str, message: Message, reason: str, attempts: int) -> None:
         self.published.append((message.message_id, reason))
 
-
-def _incoming(key: str, seq: int) -> IncomingMessage:
-    return IncomingMessage(
-        key=key,
-        dedup_id=f"{key}/{seq}",
-        message_id=f"m-{key}-{seq}",
-        data=f"{key}:{seq}".encode(),
-        attributes={"seq": str(seq)},
-        ordering_key="",
-        publish_time_ms=wall_clock_ms(),
-        fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
-        sequence=seq,
-    )
 
 
 @dataclass
@@ -69,7 +56,7 @@ async def blocked_sidecar() -> AsyncIterator[Sidecar]:
         await runtime.start()
         address = await server.start()
         await server.set_serving()
-        results = await store.persist("orders", [_incoming("a", s) for s in (1, 2, 3)], wall_clock_ms())
+        results = await store.persist("orders", [sequence_message("a", s) for s in (1, 2, 3)], wall_clock_ms())
         assert {r.outcome for r in results} == {PersistOutcome.STORED}
         runtime.on_stored([r.message for r in results])
         (first,) = runtime.take("app", 10)

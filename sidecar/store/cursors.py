@@ -225,21 +225,13 @@ class CursorBook:
             before = cursor_fields(state)
             fold_ack(state, self.mode, position_of(ack.message), ack.cursor)
             self._touch(state, before, now_ms)
-        for message in dead_letters:
+        for message, in_order in [*((m, True) for m in dead_letters), *((m, False) for m in aside)]:
             position = position_of(message)
             if position is None:
                 continue
             state = self._copy(message.key, proposed)
             before = cursor_fields(state)
-            fold_dead_letter(state, self.mode, position, self.policy)
-            self._touch(state, before, now_ms)
-        for message in aside:
-            position = position_of(message)
-            if position is None:
-                continue
-            state = self._copy(message.key, proposed)
-            before = cursor_fields(state)
-            fold_dead_letter(state, self.mode, position, self.policy, in_order=False)
+            fold_dead_letter(state, self.mode, position, self.policy, in_order=in_order)
             self._touch(state, before, now_ms)
         return proposed
 

@@ -255,6 +255,16 @@ class Simulation:
         self._lose_next_answer = False
         self.life = self._start()
 
+    def run(self, operations: Sequence[tuple[str, int]]) -> None:
+        """Play ``operations``, settle, check G1 and liveness, and close: one whole run."""
+        try:
+            for op, arg in operations:
+                self.step(op, arg)
+            self.drain()
+            self.check_end()
+        finally:
+            self.close()
+
     def step(self, op: str, arg: int) -> None:
         """Run one operation; a crash inside it recovers at once."""
         try:

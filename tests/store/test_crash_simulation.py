@@ -53,14 +53,7 @@ _STEPS = st.lists(st.tuples(st.sampled_from(Simulation.OPS), st.integers(0, 1_00
 )
 @given(config=sim_configs(), steps=_STEPS)
 def test_any_crash_point_keeps_every_guarantee(config: SimConfig, steps: list[tuple[str, int]]) -> None:
-    sim = Simulation(config)
-    try:
-        for op, arg in steps:
-            sim.step(op, arg)
-        sim.drain()
-        sim.check_end()
-    finally:
-        sim.close()
+    Simulation(config).run(steps)
 
 
 # ---- the recovery defects, each as an explicit run ---------------------------------------------------
