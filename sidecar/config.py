@@ -37,6 +37,7 @@ from sidecar.config_errors import ConfigError as ConfigError  # re-exported: cal
 from sidecar.config_errors import Lines, describe, format_loc, line_of, read_yaml_file, type_name
 from sidecar.durations import parse_byte_size, parse_duration_ms, parse_optional_duration_ms
 from sidecar.engine.types import EngineConfig
+from sidecar.shards import MAX_SHARDS
 
 EXIT_CONFIG = 2
 """Exit code for a config file the user must fix (the same as for a bad command line)."""
@@ -325,6 +326,28 @@ class FlowControlConfig(_Model):
     back from Firestore (one read) when it is delivered. Recovery keeps to the same budget."""
 
 
+class ShardingConfig(_Model):
+    """Several pods on one subscription: keys are spread over ``shards`` shards, each leased to one
+    pod at a time (docs/scaling.md). The same values must be used by every pod of a subscription."""
+
+    shards: int = Field(16, ge=1, le=MAX_SHARDS)
+    """S: how many shards the subscription's keys hash into. Aim for 4 or more per pod at the
+    largest replica count; changing it needs every pod stopped first (docs/scaling.md)."""
+    lease_duration_ms: PositiveDurationMs = Field(10_000, alias="lease_duration")
+    """How long a shard's lease lasts without renewal: the failover time after a pod dies (kill -9,
+    node loss). Renewed every third of it."""
+    drain_timeout_ms: PositiveDurationMs = Field(5_000, alias="drain_timeout")
+    """On a graceful hand-over (scale-out, SIGTERM), how long the pod waits for its app to ack what it
+    holds of the shard before handing it over anyway (unconfirmed acks are delivered again)."""
+
+    @_field_validator("lease_duration_ms")
+    @classmethod
+    def _lease_in_range(cls, value: int) -> int:
+        if not 2_000 <= value <= 600_000:
+            raise ValueError("must be between 2s and 10m")
+        return value
+
+
 # ---- subscription and file -------------------------------------------------------------------
 
 
@@ -338,6 +361,7 @@ class SubscriptionConfig(_Model):
     flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
     dead_letter_topic: TopicName | None = None
     """Without one, messages the sidecar gives up on stay un-acked in Pub/Sub (see docs/config.md)."""
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this subscription: policies only, durations in milliseconds."""

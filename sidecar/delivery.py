@@ -37,7 +37,7 @@ from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery_handlers import Undecodable
 from sidecar.engine.core import KeyNotBlocked
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
-from sidecar.runtime import AckTicket, SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.runtime import AckTicket, NotOwner, SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store.api import StoreError
 
 _LOGGER = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, KeyNotBlocked):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key is not blocked"
+    if isinstance(exc, NotOwner):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key owned by another pod"
     if isinstance(exc, StoreError):
         return grpc.StatusCode.UNAVAILABLE, f"the store did not confirm it (it may have applied): retry: {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
@@ -463,6 +465,7 @@ def _ordered_message(delivery: Deliver) -> sidecar_pb2.OrderedMessage:
         delivery_attempt=delivery.attempt,
         late=delivery.late,
         skipped=[sidecar_pb2.SkippedRange(first=r.first, last=r.last) for r in delivery.skipped],
+        epoch=delivery.epoch,
     )
     if payload is not None:
         proto.data = payload.data
@@ -494,6 +497,7 @@ def _subscription_status(
     counts["store_retries"] = runtime_counters.store_retries
     counts["dead_letter_publish_failures"] = runtime_counters.dead_letter_publish_failures
     counts["dead_letters_pending"] = runtime.dead_letters_pending  # a current value, not a running count
+    counts.update(runtime.extra_counts())
     proto = sidecar_pb2.SubscriptionStatus(
         name=runtime.name,
         mode=status.mode,
@@ -504,6 +508,11 @@ def _subscription_status(
         keys_blocked=status.keys_blocked,
         counts=counts,
     )
+    if runtime.sharded:
+        proto.pod = runtime.pod
+        proto.shard_count = runtime.shard_count
+        for shard, epoch in sorted(runtime.shards().items()):
+            proto.shards.add(shard=shard, epoch=epoch)
     if status.oldest_undelivered_ms is not None:
         proto.oldest_undelivered_age.CopyFrom(_duration(max(0, now_ms - status.oldest_undelivered_ms)))
     if status.watermark_ms is not None:

@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import datetime
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -64,6 +64,7 @@ from google.cloud import pubsub_v1
 from google.cloud.pubsub_v1.subscriber.futures import StreamingPullFuture
 from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
 
+from sidecar.backoff import backoff_seconds
 from sidecar.classify import Malformed, classify
 from sidecar.config import SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
@@ -148,6 +149,10 @@ class IngestCounters:
     nacked: int = 0
     pauses: int = 0
     """Times pulling paused because ``undelivered`` was over ``max_undelivered_messages``."""
+    stored_for_owner: int = 0
+    """Messages stored for the pod that owns their key's shard (several pods on one subscription)."""
+    owner_changed: int = 0
+    """Messages stored while this pod's lease on their shard moved on: nacked, redelivered, marked."""
 
 
 @dataclass(slots=True)
@@ -493,8 +498,17 @@ class Ingestor:
 
     async def _persist_batch(self, batch: list[_Item]) -> None:
         self.counters.persist_batches += 1
+        # Several pods: a message whose key this pod does not deliver is stored for its owner
+        # (``to_owner``: the owner's Listen picks it up). One whose key it delivers is handed to the
+        # runtime after the write only if the lease is still held at the same epoch; otherwise the
+        # new owner's load may have missed it, so it is nacked and its redelivery marks it.
+        epochs = [self._runtime.owner_epoch(item.incoming.key) for item in batch]
+        incoming = [
+            item.incoming if epoch is not None or not self._runtime.sharded else _to_owner(item.incoming)
+            for item, epoch in zip(batch, epochs, strict=True)
+        ]
         try:
-            results = await self._store.persist(self.name, [item.incoming for item in batch], self._clock())
+            results = await self._store.persist(self.name, incoming, self._clock())
         except StoreRejected as exc:
             if len(batch) == 1:
                 self._dead_letter_rejected(batch[0], exc)
@@ -518,9 +532,24 @@ class Ingestor:
         stored_items: list[_Item] = []
         failed: list[_Item] = []
         first_error: StoreError | None = None
-        for item, result in zip(batch, results, strict=True):
+        sharded = self._runtime.sharded
+        for item, result, epoch in zip(batch, results, epochs, strict=True):
             outcome = result.outcome
-            if outcome is PersistOutcome.STORED:
+            if (
+                sharded
+                and epoch is not None
+                and outcome is not PersistOutcome.FAILED
+                and epoch != self._runtime.owner_epoch(item.incoming.key)
+            ):
+                # Written unmarked while this pod's lease moved on: the next owner's load may have
+                # missed it. Pub/Sub redelivers it, and that copy marks the document for the owner.
+                self.counters.owner_changed += 1
+                self._nack(item.message)
+            elif outcome is PersistOutcome.STORED and sharded and epoch is None:
+                self.counters.persisted += 1
+                self.counters.stored_for_owner += 1
+                self._ack(item.message)
+            elif outcome is PersistOutcome.STORED:
                 stored.append(result.message)
                 stored_items.append(item)
             elif outcome is PersistOutcome.DUPLICATE:
@@ -727,9 +756,11 @@ class Ingestor:
         return IngestError(f"streaming pull of {self.subscription_path} (subscription {self.name!r}) ended")
 
     def _backoff_seconds(self, attempt: int) -> float:
-        """Capped exponential backoff with jitter (half to full), so that retries spread out."""
-        ceiling = min(self._backoff_maximum_seconds, self._backoff_initial_seconds * 2 ** min(attempt, 32))
-        return random.uniform(ceiling / 2, ceiling)
+        return backoff_seconds(attempt, self._backoff_initial_seconds, self._backoff_maximum_seconds)
+
+
+def _to_owner(incoming: IncomingMessage) -> IncomingMessage:
+    return dataclasses.replace(incoming, to_owner=True)
 
 
 def _publish_time_ms(message: PubsubMessage) -> int:

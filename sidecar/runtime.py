@@ -25,6 +25,13 @@ need and feeds the results back. Rules it keeps:
   runtime sets every registered event after a change that leaves messages ready. No polling.
 - One timer task calls ``engine.tick`` at ``engine.next_timer_ms()``, woken early when an engine
   call schedules an earlier timer (backoff, ack deadline, gap timeout).
+- Shards (several pods on one subscription, ``shard_count`` set): one engine per shard this pod owns
+  (``sidecar.shard_engines``). ``adopt_shard`` loads a shard from the store and starts delivering it;
+  ``drop_shard`` forgets it at once (its in-flight ids become unknown); ``drain_shard`` stops handing
+  it out and waits for its in-flight acks before a graceful hand-over. The store refuses an
+  advancing write of a shard this pod no longer owns (``ShardLost``): those acks are not confirmed,
+  the shard is dropped, and ``on_shard_lost`` tells the lease manager. Messages of shards owned
+  elsewhere are ignored here: they are durable, and their owner learns of them (Listen, or its load).
 """
 
 from __future__ import annotations
@@ -33,15 +40,15 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from sidecar.backoff import backoff_seconds
 from sidecar.engine import Engine, UnknownDelivery
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, KeyNotBlocked, payload_size
+from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, REASON_BELOW_CURSOR, KeyNotBlocked, payload_size
 from sidecar.engine.types import (
     AckIntent,
     Action,
@@ -54,7 +61,18 @@ from sidecar.engine.types import (
     KeyStatus,
     Message,
 )
-from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED, Store, StoreError, StoreUnavailable
+from sidecar.shard_engines import ShardEngine, ShardEngines
+from sidecar.shards import shard_of
+from sidecar.store.api import (
+    DEAD_LETTERED,
+    DEAD_LETTERED_ASIDE,
+    DROPPED,
+    ShardLost,
+    Store,
+    StoreError,
+    StoreRejected,
+    StoreUnavailable,
+)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -92,6 +110,10 @@ class DeadLetterSink(Protocol):
 
 class SubscriptionUnavailable(Exception):
     """The subscription cannot serve now: still recovering, stopping, or failed."""
+
+
+class NotOwner(LookupError):
+    """The key's shard is owned by another pod (or by none yet): ask the pod that delivers it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +164,12 @@ class RuntimeCounters:
     """Held messages whose payload was left in the store (over ``max_held_bytes``)."""
     payloads_read: int = 0
     """Stripped payloads read back from the store for delivery."""
+    not_owned: int = 0
+    """Stored messages of shards this pod does not own (their owner delivers them)."""
+    shards_adopted: int = 0
+    shards_dropped: int = 0
+    acks_fenced: int = 0
+    """Acks the store refused because the shard's lease had moved on: not confirmed."""
 
 
 class SubscriptionRuntime:
@@ -158,6 +186,8 @@ class SubscriptionRuntime:
         id_prefix: str | None = None,
         on_delivered: Callable[[Sequence[Deliver], int], None] | None = None,
         max_held_bytes: int | None = None,
+        shard_count: int | None = None,
+        on_shard_lost: Callable[[int, int], None] | None = None,
     ) -> None:
         self.name = name
         self._config = engine_config
@@ -168,11 +198,25 @@ class SubscriptionRuntime:
         self._id_prefix = id_prefix if id_prefix is not None else f"{secrets.token_hex(4)}-"
         self._on_delivered = on_delivered
         """Observer of every batch ``take`` hands out, with ``now_ms`` (metrics: publish-to-delivery)."""
-        self._engine: Engine | None = None
+        self._shard_count = shard_count
+        """None: one engine for every key (no leases). Otherwise keys route to ``shard_of(key, S)``."""
+        self._engines = ShardEngines(
+            self._id_prefix, (lambda key: 0) if shard_count is None else functools.partial(_shard, count=shard_count)
+        )
+        self._on_shard_lost = on_shard_lost
+        self.pod = ""
+        """This process's identity among the pods of the subscription (set with leases)."""
+        self.lease_check: Callable[[int], int | None] | None = None
+        """The lease manager's ``holds``: the epoch of a shard held within its safety margin now."""
+        self.status_counts: Callable[[], dict[str, int]] | None = None
+        """More counters for GetStatus and metrics (the lease manager's), read when asked."""
+        """Told when the store refused a write because this pod no longer owns a shard."""
+        self._recovered = False
+        self._progress = asyncio.Event()
+        """Set whenever acks became durable or a shard changed: ``drain_shard`` waits on it."""
         self._unblock_lock = asyncio.Lock()
         self._max_held_bytes = max_held_bytes
         """Payload bytes kept in memory for stored messages not yet handed out (None: no limit)."""
-        self._held_bytes = 0
         self._stopping = False
         self.failure: BaseException | None = None
         self.counters = RuntimeCounters()
@@ -184,14 +228,14 @@ class SubscriptionRuntime:
         self._acks_wake = asyncio.Event()
         self._acks_idle = asyncio.Event()
         self._acks_idle.set()
-        self._dead_letter_queue: asyncio.Queue[DeadLetter] = asyncio.Queue()
+        self._dead_letter_queue: asyncio.Queue[tuple[ShardEngine, DeadLetter]] = asyncio.Queue()
         self._dead_letters_pending = 0
         self._dead_letter_slots = asyncio.Semaphore(_DEAD_LETTER_PUBLISHES)
         self._recovery_started_ms: int | None = None
         self._recovery_progress_ms: int | None = None
         self.recovered_documents = 0
         """Documents ``load`` has read so far during recovery."""
-        self._drops: list[Message] = []
+        self._drops: list[tuple[ShardEngine, Message]] = []
         self._drops_wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -209,7 +253,7 @@ class SubscriptionRuntime:
         """Why ``is_ready`` is False, in words for a client's status message."""
         if self.failure is not None:
             return f"subscription {self.name!r} failed ({self.failure!r}); the sidecar must restart"
-        if self._engine is None:
+        if not self._recovered:
             return f"subscription {self.name!r} is still recovering; retry shortly"
         if self._stopping:
             return f"subscription {self.name!r} is shutting down; reconnect"
@@ -223,43 +267,156 @@ class SubscriptionRuntime:
     @property
     def is_ready(self) -> bool:
         """Recovered, running and not stopping: streams may be served."""
-        return self._engine is not None and not self._stopping and self.failure is None
+        return self._recovered and not self._stopping and self.failure is None
+
+    @property
+    def sharded(self) -> bool:
+        return self._shard_count is not None
+
+    @property
+    def shard_count(self) -> int:
+        return self._shard_count or 0
+
+    def extra_counts(self) -> dict[str, int]:
+        """Counters beyond the engine's: sharding, and whatever ``status_counts`` adds."""
+        counts: dict[str, int] = {}
+        if self._shard_count is not None:
+            counts["not_owned"] = self.counters.not_owned
+            counts["shards_adopted"] = self.counters.shards_adopted
+            counts["shards_dropped"] = self.counters.shards_dropped
+            counts["acks_fenced"] = self.counters.acks_fenced
+        if self.status_counts is not None:
+            counts.update(self.status_counts())
+        return counts
+
+    def shards(self) -> dict[int, int]:
+        """Shard -> lease epoch of every shard this pod delivers now (``{0: 0}`` without leases)."""
+        return self._engines.shards()
 
     async def recover(self) -> None:
-        """Rebuild the engine from the store. Must complete before anything is delivered."""
-        if self._engine is not None:
+        """Rebuild from the store. Must complete before anything is delivered.
+
+        Without shards: load everything into one engine. With shards: nothing to load yet; each
+        shard is loaded by ``adopt_shard`` once its lease is held."""
+        if self._recovered or self._recovery_started_ms is not None:
             raise RuntimeError(f"subscription {self.name!r}: recover() called twice")
         self._recovery_started_ms = self._recovery_progress_ms = self._clock()
+        if self._shard_count is None:
+            await self._load_shard(0, 0, None)
+        self._recovered = True
+        self._after_change()
 
+    async def adopt_shard(self, shard: int, epoch: int) -> None:
+        """This pod now owns ``shard`` at ``epoch``: load it from the store and deliver its keys.
+
+        Retried while the store is unavailable; raises StoreError on a permanent error."""
+        if self._shard_count is None or not 0 <= shard < self._shard_count:
+            raise ValueError(f"subscription {self.name!r}: no shard {shard} to adopt")
+        current = self._engines.get(shard)
+        if current is not None:
+            if current.epoch == epoch:
+                return
+            self.drop_shard(shard, current.epoch)
+        self._recovery_progress_ms = self._clock()
+        await self._load_shard(shard, epoch, frozenset({shard}))
+        self.counters.shards_adopted += 1
+        self._progress.set()
+        self._after_change()
+
+    async def _load_shard(self, shard: int, epoch: int, shards: frozenset[int] | None) -> None:
         def progress(documents: int) -> None:
-            self.recovered_documents = documents
+            self.recovered_documents += documents - seen[0]
+            seen[0] = documents
             self._recovery_progress_ms = self._clock()
 
-        snapshot = await self._retry_store(self._store.load, progress=progress, max_payload_bytes=self._max_held_bytes)
+        seen = [0]
+        extra: dict[str, object] = {} if shards is None else {"shards": shards}
+        snapshot = await self._retry_store(
+            self._store.load, progress=progress, max_payload_bytes=self._max_held_bytes, **extra
+        )
         now_ms = self._clock()
-        self._engine = Engine.restore(
+        engine = Engine.restore(
             self._config,
             snapshot,
             now_ms,
-            id_prefix=self._id_prefix,
+            id_prefix=self._engines.engine_prefix(shard, epoch),
             cursor_source=functools.partial(self._store.cursor, self.name),
         )
-        self._held_bytes = sum(
+        held = sum(
             payload_size(m.payload) for m in snapshot.pending if m.payload is not None and not m.payload.stripped
         ) + HELD_MESSAGE_OVERHEAD_BYTES * len(snapshot.pending)
+        self._engines.add(shard, epoch, engine, held)
         _LOGGER.info(
-            "subscription %s recovered: %d pending messages, %d key cursors",
+            "subscription %s recovered%s: %d pending messages, %d key cursors",
             self.name,
+            "" if shards is None else f" shard {shard} (epoch {epoch})",
             len(snapshot.pending),
             len(snapshot.cursors),
         )
-        self._after_change()
+
+    def drop_shard(self, shard: int, epoch: int | None = None) -> bool:
+        """Stop delivering ``shard`` at once (lost, or handed over): its engine and held messages are
+        forgotten (they stay pending in the store), its in-flight ids become unknown. ``epoch``: only
+        if the engine is still that epoch's. Returns whether an engine was dropped."""
+        entry = self._engines.get(shard)
+        if entry is None or (epoch is not None and entry.epoch != epoch):
+            return False
+        self._engines.remove(shard)
+        release = getattr(self._store, "release", None)
+        if release is not None:
+            release(self.name, frozenset({shard}))
+        self.counters.shards_dropped += 1
+        _LOGGER.warning(
+            "subscription %s: shard %d (epoch %d) dropped; its keys are delivered by its next owner",
+            self.name,
+            shard,
+            entry.epoch,
+        )
+        self._progress.set()
+        for event in self._wakers:
+            event.set()
+        return True
+
+    async def drain_shard(self, shard: int, timeout_seconds: float) -> None:
+        """Before a graceful hand-over: hand out nothing more of ``shard``, and wait (up to
+        ``timeout_seconds``) until the app acked what it holds of it and those acks are durable."""
+        entry = self._engines.get(shard)
+        if entry is None:
+            return
+        entry.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds
+        while self._engines.get(shard) is entry and not self._drained(entry):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                _LOGGER.warning(
+                    "subscription %s: shard %d handed over with messages still in flight (not confirmed: "
+                    "its next owner delivers them again)",
+                    self.name,
+                    shard,
+                )
+                return
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    def _drained(self, entry: ShardEngine) -> bool:
+        status, _ = entry.engine.status(self._clock(), max_keys=0)
+        if status.in_flight:
+            return False
+        return not any(
+            self._engines.route(intent.message.key) == entry.shard
+            for pending in self._acks_pending
+            for intent in pending.intents
+        ) and self._acks_idle.is_set()
 
     def is_live(self) -> bool:
         """False when recovery has made no progress for ``RECOVERY_STALL_SECONDS`` (or the runtime failed)."""
         if self.failure is not None:
             return False
-        if self._engine is not None or self._recovery_progress_ms is None:
+        if self._recovered or self._recovery_progress_ms is None:
             return True
         return self._clock() - self._recovery_progress_ms < RECOVERY_STALL_SECONDS * 1000
 
@@ -267,13 +424,13 @@ class SubscriptionRuntime:
         """Run the background work (timers, ack commits, dead letters) in a task of its own."""
         if self._task is not None:
             raise RuntimeError(f"subscription {self.name!r}: start() called twice")
-        self._require_engine()
+        self._require_recovered()
         self._task = asyncio.create_task(self.run(), name=f"runtime:{self.name}")
         self._task.add_done_callback(self._on_task_done)
 
     async def run(self) -> None:
         """The background work; returns only by cancellation, raises if a worker fails for good."""
-        self._require_engine()
+        self._require_recovered()
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._timer_loop(), name=f"timer:{self.name}")
@@ -326,35 +483,54 @@ class SubscriptionRuntime:
     # ---- events from ingest and the watermark source ---------------------------------------
 
     def on_stored(self, messages: Sequence[Message]) -> None:
-        """Messages the store made durable (PersistOutcome.STORED), in arrival order."""
-        engine = self._require_engine()
+        """Messages the store made durable (PersistOutcome.STORED), in arrival order. Those of shards
+        this pod does not own are left to their owner."""
+        self._require_recovered()
         now_ms = self._clock()
         budget = self._max_held_bytes
         for message in messages:
+            entry = self._engines.for_key(message.key)
+            if entry is None:
+                self.counters.not_owned += 1
+                continue
+            engine = entry.engine
             actions = engine.on_stored(message, now_ms)
             payload = message.payload
             if payload is not None and (not actions or isinstance(actions[0], Hold)):
                 # The budget covers payloads and the bookkeeping of every message not yet handed out.
                 size = 0 if payload.stripped else payload_size(payload)
                 overhead = HELD_MESSAGE_OVERHEAD_BYTES
-                if size and actions and budget is not None and self._held_bytes + size + overhead > budget:
+                if size and actions and budget is not None and self.held_bytes + size + overhead > budget:
                     # Held for ordering and over the budget: the store keeps the payload meanwhile.
                     if engine.strip_payload(message):
                         self.counters.payloads_stripped += 1
                         size = 0
-                self._held_bytes += size + overhead
-            self._apply(actions)
+                entry.held_bytes += size + overhead
+            self._apply(entry, actions)
         self._after_change()
+
+    def owner_epoch(self, key: str) -> int | None:
+        """The lease epoch under which this pod delivers ``key`` now; None when it does not (another
+        pod owns its shard, or none does yet, or it is being handed over). With leases this asks
+        ``lease_check`` too, so a lease whose local deadline just passed counts as lost at once."""
+        entry = self._engines.for_key(key)
+        if entry is None or entry.draining:
+            return None
+        if self.lease_check is not None and self.lease_check(entry.shard) != entry.epoch:
+            return None
+        return entry.epoch
 
     @property
     def held_bytes(self) -> int:
         """Memory, estimated, of stored messages not yet handed out (held or ready): payloads kept
         plus ``HELD_MESSAGE_OVERHEAD_BYTES`` each."""
-        return self._held_bytes
+        return self._engines.held_bytes
 
     def advance_watermark(self, watermark_ms: int) -> None:
-        engine = self._require_engine()
-        self._apply(engine.advance_watermark(watermark_ms, self._clock()))
+        self._require_recovered()
+        now_ms = self._clock()
+        for entry in self._engines:
+            self._apply(entry, entry.engine.advance_watermark(watermark_ms, now_ms))
         self._after_change()
 
     def undelivered(self) -> int:
@@ -362,10 +538,12 @@ class SubscriptionRuntime:
 
         Messages held for ordering are not counted (DESIGN §4 "backpressure without deadlock").
         """
-        if self._engine is None:
-            return 0
-        status, _ = self._engine.status(self._clock(), max_keys=0)
-        return status.ready + status.in_flight + self._dead_letters_pending
+        now_ms = self._clock()
+        total = self._dead_letters_pending
+        for entry in self._engines:
+            status, _ = entry.engine.status(now_ms, max_keys=0)
+            total += status.ready + status.in_flight
+        return total
 
     @property
     def dead_letters_pending(self) -> int:
@@ -377,7 +555,7 @@ class SubscriptionRuntime:
     def add_waker(self, event: asyncio.Event) -> None:
         """Register a stream's event: set whenever messages may be ready, or the runtime stops."""
         self._wakers.add(event)
-        if self._engine is not None and self._engine.has_ready():
+        if self._engines.has_ready():
             event.set()
 
     def remove_waker(self, event: asyncio.Event) -> None:
@@ -385,16 +563,18 @@ class SubscriptionRuntime:
 
     def take(self, consumer: str, max_messages: int) -> list[Deliver]:
         """Up to ``max_messages`` releasable messages for ``consumer`` (none while not ready)."""
-        engine = self._engine
-        if engine is None or max_messages <= 0 or not self.is_ready:
+        if max_messages <= 0 or not self.is_ready:
             return []
         now_ms = self._clock()
-        deliveries = engine.take(consumer, max_messages, now_ms)
-        for delivery in deliveries:
+        deliveries: list[Deliver] = []
+        for entry, delivery in self._engines.take(consumer, max_messages, now_ms):
             payload = delivery.message.payload
             if delivery.attempt == 1 and payload is not None:
                 size = 0 if payload.stripped else payload_size(payload)
-                self._held_bytes = max(0, self._held_bytes - size - HELD_MESSAGE_OVERHEAD_BYTES)
+                entry.held_bytes = max(0, entry.held_bytes - size - HELD_MESSAGE_OVERHEAD_BYTES)
+            if entry.epoch:
+                delivery = dataclasses.replace(delivery, epoch=entry.epoch)
+            deliveries.append(delivery)
         if deliveries:
             self._maybe_wake_timer()
             if self._on_delivered is not None:
@@ -422,15 +602,18 @@ class SubscriptionRuntime:
 
     def submit_ack(self, consumer: str, delivery_ids: Sequence[str]) -> AckTicket:
         """Accept acks now (the engine holds their keys as "acking"); confirm once durable."""
-        engine = self._require_engine()
+        self._require_recovered()
         if self.failure is not None:
             raise SubscriptionUnavailable(f"subscription {self.name!r} failed: {self.failure!r}")
         now_ms = self._clock()
         intents: list[AckIntent] = []
         unknown: list[str] = []
         for delivery_id in delivery_ids:
+            entry = self._engines.for_delivery(delivery_id)
             try:
-                intents.append(engine.ack(consumer, delivery_id, now_ms))
+                if entry is None:
+                    raise UnknownDelivery(delivery_id)
+                intents.append(entry.engine.ack(consumer, delivery_id, now_ms))
             except UnknownDelivery:
                 unknown.append(delivery_id)
         self.counters.unknown_ids += len(unknown)
@@ -458,46 +641,62 @@ class SubscriptionRuntime:
         dead_letter: bool = False,
     ) -> list[str]:
         """Give messages back (redelivered after backoff, or dead-lettered); returns the unknown ids."""
-        engine = self._require_engine()
+        self._require_recovered()
         now_ms = self._clock()
         unknown: list[str] = []
         for delivery_id in delivery_ids:
+            entry = self._engines.for_delivery(delivery_id)
             try:
-                actions = engine.nack(
+                if entry is None:
+                    raise UnknownDelivery(delivery_id)
+                actions = entry.engine.nack(
                     consumer, delivery_id, now_ms, retry_after_ms=retry_after_ms, dead_letter=dead_letter
                 )
             except UnknownDelivery:
                 unknown.append(delivery_id)
                 continue
-            self._apply(actions)
+            self._apply(entry, actions)
         self.counters.unknown_ids += len(unknown)
         self._after_change()
         return unknown
 
     def consumer_closed(self, consumer: str) -> None:
         """A stream ended: its in-flight messages are ready again at once, for any stream."""
-        if self._engine is None:
-            return
-        self._engine.consumer_closed(consumer, self._clock())
+        now_ms = self._clock()
+        for entry in self._engines:
+            entry.engine.consumer_closed(consumer, now_ms)
         self._after_change()
 
     def status(self, max_keys: int = 100) -> tuple[EngineStatus, list[KeyStatus]]:
-        engine = self._require_engine()
-        return engine.status(self._clock(), max_keys=max_keys)
+        self._require_recovered()
+        return self._engines.status(self._config.mode, self._clock(), max_keys)
 
     # ---- internals -------------------------------------------------------------------------
 
     async def unblock(self, key: str) -> Unblocked:
         """An operator skips the dead letter that blocks ``key``: recorded in the store first (a
         restart keeps it), then the engine delivers the key's next messages. Raises KeyNotBlocked
-        when the key is not blocked, StoreError when the store cannot record it (nothing changed)."""
-        engine = self._require_engine()
+        when the key is not blocked, NotOwner when another pod delivers it, StoreError when the
+        store cannot record it (nothing changed)."""
+        self._require_recovered()
         async with self._unblock_lock:  # one at a time: the second of two sees the key running
-            if not engine.is_blocked(key):
+            entry = self._engines.for_key(key)
+            if entry is None:
+                raise NotOwner(
+                    f"key {key!r} of subscription {self.name!r} is delivered by another pod "
+                    f"(shard {self._engines.route(key)} is not owned here); ask that pod"
+                )
+            if not entry.engine.is_blocked(key):
                 raise KeyNotBlocked(f"key {key!r} of subscription {self.name!r} is not blocked by a dead letter")
-            position = await self._store.unblock(self.name, key, self._clock())
-            message, actions = engine.unblock(key, position, self._clock())
-            self._apply(actions)
+            try:
+                position = await self._store.unblock(self.name, key, self._clock())
+            except ShardLost as exc:
+                self._shard_lost(exc)
+                raise
+            if self._engines.get(entry.shard) is not entry:
+                raise NotOwner(f"key {key!r} of subscription {self.name!r}: its shard was handed over meanwhile")
+            message, actions = entry.engine.unblock(key, position, self._clock())
+            self._apply(entry, actions)
         _LOGGER.warning(
             "subscription %s: key unblocked by an operator; its dead letter at %s is skipped",
             self.name,
@@ -507,19 +706,18 @@ class SubscriptionRuntime:
         self._after_change()
         return Unblocked(key, position, message.message_id if message is not None else None)
 
-    def _require_engine(self) -> Engine:
-        if self._engine is None:
+    def _require_recovered(self) -> None:
+        if not self._recovered:
             raise SubscriptionUnavailable(f"subscription {self.name!r} is still recovering")
-        return self._engine
 
-    def _apply(self, actions: Sequence[Action]) -> None:
+    def _apply(self, entry: ShardEngine, actions: Sequence[Action]) -> None:
         for action in actions:
             if isinstance(action, DeadLetter):
                 self._dead_letters_pending += 1
-                self._dead_letter_queue.put_nowait(action)
+                self._dead_letter_queue.put_nowait((entry, action))
             elif isinstance(action, DropDuplicate):
                 if action.finish_record:
-                    self._drops.append(action.message)
+                    self._drops.append((entry, action.message))
                     self._drops_wake.set()
             elif isinstance(action, Hold):
                 _LOGGER.debug("subscription %s holds %s: %s", self.name, action.message.dedup_id, action.reason)
@@ -527,28 +725,38 @@ class SubscriptionRuntime:
                 # Deliveries come only from take(): one here would be in flight with no stream.
                 raise RuntimeError(f"engine returned {type(action).__name__} outside take(): {action!r}")
 
+    def _current(self, entry: ShardEngine) -> bool:
+        """Whether ``entry`` still delivers its shard (not dropped or replaced since)."""
+        return self._engines.get(entry.shard) is entry
+
+    def _shard_lost(self, exc: ShardLost) -> None:
+        """The store refused a write: this pod's lease on those shards has moved on."""
+        for shard in sorted(exc.shards):
+            entry = self._engines.get(shard)
+            if entry is not None and self.drop_shard(shard) and self._on_shard_lost is not None:
+                self._on_shard_lost(shard, entry.epoch)
+
     def _after_change(self) -> None:
         """Wake streams when messages are ready and the timer when an earlier timer appeared."""
-        engine = self._engine
-        if engine is None:
-            return
-        if self._wakers and engine.has_ready():
+        if self._wakers and self._engines.has_ready():
             for event in self._wakers:
                 event.set()
         self._maybe_wake_timer()
 
     def _maybe_wake_timer(self) -> None:
-        due_ms = self._engine.next_timer_ms() if self._engine is not None else None
+        due_ms = self._engines.next_timer_ms()
         if due_ms is not None and (self._timer_due_ms is None or due_ms < self._timer_due_ms):
             self._timer_wake.set()
 
     async def _timer_loop(self) -> None:
-        engine = self._require_engine()
         while True:
             now_ms = self._clock()
-            due_ms = engine.next_timer_ms()
+            due_ms = self._engines.next_timer_ms()
             if due_ms is not None and due_ms <= now_ms:
-                self._apply(engine.tick(now_ms))
+                for entry in self._engines:
+                    entry_due = entry.engine.next_timer_ms()
+                    if entry_due is not None and entry_due <= now_ms:
+                        self._apply(entry, entry.engine.tick(now_ms))
                 self._after_change()
                 # Let other tasks run even if the engine keeps reporting due timers.
                 await asyncio.sleep(0)
@@ -564,15 +772,20 @@ class SubscriptionRuntime:
                 self._timer_due_ms = None
 
     async def _ack_commit_loop(self) -> None:
-        engine = self._require_engine()
         while True:
             await self._acks_wake.wait()
             self._acks_wake.clear()
             while self._acks_pending:
                 batch = self._take_ack_batch()
                 intents = [intent for pending in batch for intent in pending.intents]
+                lost: frozenset[int] = frozenset()
                 try:
                     await self._retry_store(self._store.commit_acks, intents)
+                except ShardLost as exc:
+                    # Everything outside ``exc.shards`` is durable; acks inside are not, and never
+                    # will be by this pod: not confirmed, so the next owner delivers them again.
+                    lost = exc.shards
+                    self._shard_lost(exc)
                 except BaseException as exc:
                     error = SubscriptionUnavailable(f"acks of {self.name!r} could not be made durable: {exc!r}")
                     for pending in batch:
@@ -580,12 +793,30 @@ class SubscriptionRuntime:
                             pending.future.set_exception(error)
                     raise
                 self.counters.ack_commits += 1
-                self._apply(engine.ack_durable([intent.delivery_id for intent in intents], self._clock()))
+                now_ms = self._clock()
+                durable: dict[int, tuple[ShardEngine, list[str]]] = {}
+                for intent in intents:
+                    if lost and self._engines.route(intent.message.key) in lost:
+                        self.counters.acks_fenced += 1
+                        continue
+                    entry = self._engines.for_delivery(intent.delivery_id)
+                    if entry is not None:
+                        durable.setdefault(entry.shard, (entry, []))[1].append(intent.delivery_id)
+                for entry, ids in durable.values():
+                    self._apply(entry, entry.engine.ack_durable(ids, now_ms))
                 for pending in batch:
                     if not pending.future.done():
-                        pending.future.set_result([intent.delivery_id for intent in pending.intents])
+                        pending.future.set_result(
+                            [
+                                intent.delivery_id
+                                for intent in pending.intents
+                                if not (lost and self._engines.route(intent.message.key) in lost)
+                            ]
+                        )
+                self._progress.set()
                 self._after_change()
             self._acks_idle.set()
+            self._progress.set()
 
     def _take_ack_batch(self) -> list[_PendingAck]:
         batch: list[_PendingAck] = []
@@ -608,25 +839,42 @@ class SubscriptionRuntime:
     async def _dead_letter_loop(self) -> None:
         async with asyncio.TaskGroup() as group:
             while True:
-                action = await self._dead_letter_queue.get()
-                group.create_task(self._dead_letter_one(action), name=f"dead-letter:{self.name}")
+                entry, action = await self._dead_letter_queue.get()
+                group.create_task(self._dead_letter_one(entry, action), name=f"dead-letter:{self.name}")
 
-    async def _dead_letter_one(self, action: DeadLetter) -> None:
-        engine = self._require_engine()
+    async def _dead_letter_one(self, entry: ShardEngine, action: DeadLetter) -> None:
         try:
-            await self._publish_dead_letter(action)
-            state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
-            try:
-                await self._retry_store(self._store.mark_done, [action.message], state)
-            except StoreError:
-                # The topic has it (G1 holds); unmarked, it is loaded and dead-lettered again after a restart.
-                _LOGGER.exception(
-                    "subscription %s: could not record dead letter %s", self.name, action.message.dedup_id
-                )
+            if action.reason == REASON_BELOW_CURSOR and await self._finished_elsewhere(action.message):
+                # A stale copy (a Listen snapshot older than this pod's own ack of it): nothing to do.
+                _LOGGER.info("subscription %s: %s was already finished", self.name, action.message.dedup_id)
+            else:
+                await self._publish_dead_letter(action)
+                state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
+                try:
+                    await self._retry_store(self._store.mark_done, [action.message], state)
+                except ShardLost as exc:
+                    # The topic has it; the next owner loads it pending and may dead-letter it again.
+                    self._shard_lost(exc)
+                except StoreError:
+                    # The topic has it (G1 holds); unmarked, it is loaded and dead-lettered again after a restart.
+                    _LOGGER.exception(
+                        "subscription %s: could not record dead letter %s", self.name, action.message.dedup_id
+                    )
         finally:
             self._dead_letters_pending -= 1
-        self._apply(engine.dead_letter_done(action.message, self._clock()))
+        if self._current(entry):
+            self._apply(entry, entry.engine.dead_letter_done(action.message, self._clock()))
         self._after_change()
+
+    async def _finished_elsewhere(self, message: Message) -> bool:
+        """Whether ``message``'s record is no longer pending in the store (read back to check)."""
+        if message.payload is None or not message.payload.ref:
+            return False
+        try:
+            await self._retry_store(self._store.read_payloads, [message])
+        except StoreRejected:
+            return True
+        return False
 
     async def _publish_dead_letter(self, action: DeadLetter) -> None:
         attempt = 0
@@ -653,11 +901,18 @@ class SubscriptionRuntime:
             self._drops_wake.clear()
             while self._drops:
                 batch, self._drops = self._drops, []
+                messages = [message for entry, message in batch if self._current(entry)]
+                if not messages:
+                    continue
                 try:
-                    await self._retry_store(self._store.mark_done, batch, DROPPED)
+                    await self._retry_store(self._store.mark_done, messages, DROPPED)
+                except ShardLost as exc:
+                    self._shard_lost(exc)  # the next owner finds them pending and drops them again
                 except StoreError:
                     # Harmless: an unmarked duplicate is loaded again and dropped again by the engine.
-                    _LOGGER.exception("subscription %s: could not record %d dropped duplicates", self.name, len(batch))
+                    _LOGGER.exception(
+                        "subscription %s: could not record %d dropped duplicates", self.name, len(messages)
+                    )
 
     async def _retry_store(self, method: Callable[..., Awaitable[_T]], *args: object, **kwargs: object) -> _T:
         """``method(subscription, *args, now_ms, **kwargs)`` until it succeeds.
@@ -678,9 +933,11 @@ class SubscriptionRuntime:
 
 
 def _backoff_seconds(attempt: int) -> float:
-    """Capped exponential backoff with full jitter, so that retries from many tasks spread out."""
-    ceiling = min(_RETRY_MAXIMUM_SECONDS, _RETRY_INITIAL_SECONDS * 2**attempt)
-    return random.uniform(ceiling / 2, ceiling)
+    return backoff_seconds(attempt, _RETRY_INITIAL_SECONDS, _RETRY_MAXIMUM_SECONDS)
+
+
+def _shard(key: str, count: int) -> int:
+    return shard_of(key, count)
 
 
 def _first_cause(exc: BaseException) -> BaseException:

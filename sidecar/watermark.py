@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import re
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from google.cloud.monitoring_v3.services.metric_service.transports import Metric
 from google.cloud.monitoring_v3.types import ListTimeSeriesRequest, TimeInterval
 from google.protobuf import timestamp_pb2
 
+from sidecar.backoff import backoff_seconds
 from sidecar.watermark_rule import (
     MetricPoint,
     WatermarkDecision,
@@ -298,9 +298,7 @@ class WatermarkSource:
 
     def _backoff_seconds(self) -> float:
         """Exponential in the number of consecutive errors, from the poll interval, with jitter."""
-        exponent = min(self._consecutive_errors - 1, 30)
-        ceiling = min(self._max_backoff_s, self._poll_interval_s * 2**exponent)
-        return random.uniform(ceiling / 2, ceiling)
+        return backoff_seconds(max(0, self._consecutive_errors - 1), self._poll_interval_s, self._max_backoff_s)
 
     async def close(self) -> None:
         """Stop ``run()`` if it is running, then close the channel. Idempotent."""

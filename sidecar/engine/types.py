@@ -95,6 +95,9 @@ class Deliver:
     attempt: int
     late: bool = False
     skipped: tuple[SkippedRange, ...] = ()
+    epoch: int = 0
+    """The lease epoch of the key's shard at delivery (set by the runtime; 0 without leases): the
+    app's fencing token for side effects of this key."""
 
 
 @dataclass(frozen=True, slots=True)

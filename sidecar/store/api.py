@@ -35,6 +35,21 @@ class StoreRejected(StoreError):
     """Permanent for this input (e.g. larger than any document split allows)."""
 
 
+class ShardLost(StoreError):
+    """An advancing write was refused: this pod's lease on ``shards`` has moved on (fencing).
+
+    Everything of the call outside ``shards`` was applied; nothing inside them was, and this pod
+    must not retry it: the shards' new owner advances those keys now."""
+
+    def __init__(self, subscription: str, shards: frozenset[int]) -> None:
+        super().__init__(
+            f"subscription {subscription!r}: shards {sorted(shards)} are no longer owned by this pod "
+            "(their lease moved to another owner); writes for them were refused"
+        )
+        self.subscription = subscription
+        self.shards = shards
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriptionStoreConfig:
     """What the store needs to know about one subscription."""
@@ -68,6 +83,9 @@ class IncomingMessage:
     fingerprint: bytes
     sequence: int | None = None
     timestamp_ms: int | None = None
+    to_owner: bool = False
+    """Stored by a pod that does not deliver its key: the document is marked for the key's owner
+    (``inbox``), whose Listen picks it up."""
 
     def to_message(self, stored_at_ms: int, ref: str) -> Message:
         """The engine's view of this message once a store made it durable under ``ref``."""

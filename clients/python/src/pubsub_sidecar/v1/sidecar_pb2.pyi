@@ -53,7 +53,7 @@ class SubscribeResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[OrderedMessage, _Mapping]]] = ..., ack_confirmations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OrderedMessage(_message.Message):
-    __slots__ = ("delivery_id", "key", "message_id", "dedup_id", "data", "attributes", "publish_time", "sequence", "event_time", "delivery_attempt", "late", "skipped")
+    __slots__ = ("delivery_id", "key", "message_id", "dedup_id", "data", "attributes", "publish_time", "sequence", "event_time", "delivery_attempt", "late", "skipped", "epoch")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class OrderedMessage(_message.Message):
     DELIVERY_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     delivery_id: str
     key: str
     message_id: str
@@ -85,7 +86,8 @@ class OrderedMessage(_message.Message):
     delivery_attempt: int
     late: bool
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedRange]
-    def __init__(self, delivery_id: _Optional[str] = ..., key: _Optional[str] = ..., message_id: _Optional[str] = ..., dedup_id: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., publish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sequence: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., late: _Optional[bool] = ..., skipped: _Optional[_Iterable[_Union[SkippedRange, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, delivery_id: _Optional[str] = ..., key: _Optional[str] = ..., message_id: _Optional[str] = ..., dedup_id: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., publish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sequence: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., late: _Optional[bool] = ..., skipped: _Optional[_Iterable[_Union[SkippedRange, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SkippedRange(_message.Message):
     __slots__ = ("first", "last")
@@ -110,7 +112,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ...) -> None: ...
 
 class SubscriptionStatus(_message.Message):
-    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail")
+    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards")
     class CountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,9 @@ class SubscriptionStatus(_message.Message):
     WATERMARK_LAG_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     KEYS_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: str
     buffered: int
@@ -142,7 +147,18 @@ class SubscriptionStatus(_message.Message):
     watermark_lag: _duration_pb2.Duration
     counts: _containers.ScalarMap[str, int]
     keys_detail: _containers.RepeatedCompositeFieldContainer[KeyStatus]
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ...) -> None: ...
+    pod: str
+    shard_count: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., pod: _Optional[str] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard", "epoch")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    epoch: int
+    def __init__(self, shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KeyStatus(_message.Message):
     __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence", "blocked_message_id", "blocked_sequence")
