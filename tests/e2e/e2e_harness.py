@@ -25,7 +25,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,6 +296,15 @@ class SidecarProcess:
         self._proc.send_signal(signal.SIGKILL)
         self._proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but runs nothing (a GC pause, a frozen node)."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
+
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit code."""
         assert self._proc is not None
@@ -524,6 +533,7 @@ class Seen:
     skipped: tuple[tuple[int, int], ...]
     attributes: dict[str, str]
     at: float
+    epoch: int = 0
 
 
 Decision = str
@@ -553,6 +563,8 @@ class App:
         self.held: list[Message] = []
         self.confirmed_at: dict[tuple[str, int, str], float] = {}
         """(key, sequence, dedup id) -> when the sidecar confirmed the ack (monotonic clock)."""
+        self.acked_at: dict[tuple[str, int], float] = {}
+        """(key, sequence) -> when the app first sent an ack for it (monotonic clock)."""
         self.changed = asyncio.Event()
         self._subscriber: OrderedSubscriber | None = None
         self._task: asyncio.Task[None] | None = None
@@ -583,10 +595,12 @@ class App:
                     message.skipped,
                     dict(message.attributes),
                     time.monotonic(),
+                    message.epoch,
                 )
             )
             decision = self.decide(message)
             if decision == "ack":
+                self.acked_at.setdefault((message.key, message.sequence), time.monotonic())
                 if await message.ack():
                     task = asyncio.create_task(self._await_confirmation(message))
                     self._confirm_tasks.add(task)
@@ -621,6 +635,7 @@ class App:
         held, self.held = self.held, []
         acked = 0
         for message in held:
+            self.acked_at.setdefault((message.key, message.sequence), time.monotonic())
             if await message.ack():
                 acked += 1
                 task = asyncio.create_task(self._await_confirmation(message))
@@ -662,6 +677,39 @@ def check_sequence_guarantees(app: App, expected: Mapping[str, int]) -> None:
             )
             delivered.add(seen.sequence)
         assert delivered == set(range(1, expected[key] + 1)), f"key {key!r}: saw {sorted(delivered)}"
+
+
+def check_sequence_guarantees_across(apps: Sequence[App], expected: Mapping[str, int]) -> None:
+    """G1, G2 and G3 for sequence mode over several apps, each behind its own sidecar pod.
+
+    Nothing lost: every sequence seen by some app. Order: a delivery of sequence s (s > 1), to any
+    app, comes after some app sent its ack of s - 1 (one clock: every app runs in this process).
+    Dedup: no delivery, to any app, after the sidecar confirmed an ack of that message to any app.
+    """
+    acked: dict[tuple[str, int], float] = {}
+    confirmed: dict[tuple[str, int, str], float] = {}
+    for app in apps:
+        for ident, at in app.acked_at.items():
+            acked[ident] = min(at, acked.get(ident, at))
+        for ident3, at in app.confirmed_at.items():
+            confirmed[ident3] = min(at, confirmed.get(ident3, at))
+    deliveries = sorted((seen for app in apps for seen in app.seen), key=lambda seen: seen.at)
+    per_key: dict[str, set[int]] = defaultdict(set)
+    for seen in deliveries:
+        if seen.sequence > 1:
+            before = acked.get((seen.key, seen.sequence - 1))
+            assert before is not None and before <= seen.at, (
+                f"key {seen.key!r}: sequence {seen.sequence} delivered (epoch {seen.epoch}) before any app "
+                f"acked {seen.sequence - 1}"
+            )
+        confirmed_at = confirmed.get((seen.key, seen.sequence, seen.dedup_id))
+        assert confirmed_at is None or seen.at < confirmed_at, (
+            f"key {seen.key!r}: sequence {seen.sequence} delivered again after its ack was confirmed"
+        )
+        per_key[seen.key].add(seen.sequence)
+    assert set(per_key) == set(expected), f"keys differ: missing {sorted(set(expected) - set(per_key))}"
+    for key, sequences in per_key.items():
+        assert sequences == set(range(1, expected[key] + 1)), f"key {key!r}: saw {sorted(sequences)}"
 
 
 def order_message(key: str, seq: int | str, **extra: str) -> tuple[bytes, dict[str, str]]:

@@ -70,6 +70,9 @@ class Message:
     delivery_attempt: int
     late: bool
     skipped: tuple[tuple[int, int], ...]
+    epoch: int
+    """The fencing token of this key: its shard's lease epoch at the delivering sidecar (0 without
+    leases). Grows whenever the key moves to another sidecar; refuse side effects of a lower one."""
     _subscriber: OrderedSubscriber = field(repr=False)
     _stream: _Stream = field(repr=False)
     _settled: bool = field(default=False, repr=False)
