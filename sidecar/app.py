@@ -270,6 +270,7 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
         if s.watermark is not None and s.watermark.watermark_ms is not None:
             lag = max(0.0, (now_ms - s.watermark.watermark_ms) / 1000)
         ingest = s.ingestor.counters
+        extra = s.runtime.extra_counts()
         snapshots.append(
             SubscriptionMetrics(
                 subscription=s.config.name,
@@ -287,6 +288,11 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
                 keys_blocked_dead_letter=status.keys_blocked_dead_letter,
                 oldest_undelivered_age_seconds=0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000),
                 watermark_lag_seconds=lag,
+                shards_owned=len(s.runtime.shards()) if s.runtime.sharded else None,
+                lease_renewals=extra.get("lease_renewals", 0),
+                lease_renewal_failures=extra.get("lease_renewal_failures", 0),
+                shards_adopted=extra.get("shards_adopted", 0),
+                shards_dropped=extra.get("shards_dropped", 0),
             )
         )
     return snapshots

@@ -55,6 +55,12 @@ class SubscriptionMetrics:
     oldest_undelivered_age_seconds: float
     watermark_lag_seconds: float | None
     keys_blocked_dead_letter: int = 0
+    shards_owned: int | None = None
+    """Several pods: shards this pod owns and delivers now (None without shard leases)."""
+    lease_renewals: int = 0
+    lease_renewal_failures: int = 0
+    shards_adopted: int = 0
+    shards_dropped: int = 0
 
 
 class SidecarCollector(Collector):
@@ -111,6 +117,24 @@ class SidecarCollector(Collector):
             if snap.watermark_lag_seconds is not None:
                 lag.add_metric([snap.subscription], snap.watermark_lag_seconds)
         yield lag
+        sharded = [snap for snap in snapshots if snap.shards_owned is not None]
+        owned = GaugeMetricFamily(
+            f"{PREFIX}_shards_owned", "Shards this pod owns and delivers now (several pods).", labels=["subscription"]
+        )
+        for snap in sharded:
+            owned.add_metric([snap.subscription], snap.shards_owned or 0)
+        yield owned
+        lease_counters = {
+            "lease_renewals": "Shard lease renewals written.",
+            "lease_renewal_failures": "Shard lease renewals that failed (Firestore error or lease moved on).",
+            "shards_adopted": "Shards this pod took over and loaded (a handover is a recovery).",
+            "shards_dropped": "Shards this pod stopped delivering (lost, handed over, or fenced by Firestore).",
+        }
+        for name, doc in lease_counters.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+            for snap in sharded:
+                family.add_metric([snap.subscription], getattr(snap, name))
+            yield family
 
 
 @dataclass

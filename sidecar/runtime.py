@@ -565,6 +565,7 @@ class SubscriptionRuntime:
         """Up to ``max_messages`` releasable messages for ``consumer`` (none while not ready)."""
         if max_messages <= 0 or not self.is_ready:
             return []
+        self._drop_expired_leases()
         now_ms = self._clock()
         deliveries: list[Deliver] = []
         for entry, delivery in self._engines.take(consumer, max_messages, now_ms):
@@ -605,6 +606,7 @@ class SubscriptionRuntime:
         self._require_recovered()
         if self.failure is not None:
             raise SubscriptionUnavailable(f"subscription {self.name!r} failed: {self.failure!r}")
+        self._drop_expired_leases()
         now_ms = self._clock()
         intents: list[AckIntent] = []
         unknown: list[str] = []
@@ -724,6 +726,17 @@ class SubscriptionRuntime:
             else:
                 # Deliveries come only from take(): one here would be in flight with no stream.
                 raise RuntimeError(f"engine returned {type(action).__name__} outside take(): {action!r}")
+
+    def _drop_expired_leases(self) -> None:
+        """Drop every shard whose lease is no longer held within its margin *now*: a pod that wakes
+        from a pause must not hand out one more message before its lease manager has noticed."""
+        check = self.lease_check
+        if check is None:
+            return
+        for entry in self._engines:
+            if check(entry.shard) != entry.epoch and self.drop_shard(entry.shard, entry.epoch):
+                if self._on_shard_lost is not None:
+                    self._on_shard_lost(entry.shard, entry.epoch)
 
     def _current(self, entry: ShardEngine) -> bool:
         """Whether ``entry`` still delivers its shard (not dropped or replaced since)."""

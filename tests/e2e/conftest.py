@@ -109,6 +109,26 @@ class Scenario:
         self.apps.append(app)
         return app
 
+    # ---- several pods on one subscription: one sidecar and one app per pod ----------------------
+
+    def pod_listen(self, pod: int) -> str:
+        return f"unix://{self.workdir}/pod{pod}.sock"
+
+    def pod_sidecar(self, pod: int, *, grace_period: float = 10.0) -> SidecarProcess:
+        """Pod ``pod``'s sidecar (same config, its own gRPC socket), not started."""
+        path = write_config(
+            self.workdir / f"pod{pod}.yaml", listen=self.pod_listen(pod), root=self.root, subscriptions=self.entries
+        )
+        env = {**self.emulators.env, "POD_NAME": f"pod-{pod}"}
+        process = SidecarProcess(path, env, grace_period=grace_period)
+        self.sidecars.append(process)
+        return process
+
+    def pod_app(self, sub: Sub, pod: int, decide: Callable[[Message], str] | None = None, **kwargs: Any) -> App:
+        app = App(self.pod_listen(pod), sub.name, decide, **kwargs).start()
+        self.apps.append(app)
+        return app
+
     async def close(self) -> None:
         for app in self.apps:
             print(f"---- app of {app.subscription}: {len(app.seen)} seen, {len(app.confirmed_at)} confirmed")

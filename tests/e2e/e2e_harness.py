@@ -351,8 +351,10 @@ def subscription_entry(
     delivery: Mapping[str, Any] | None = None,
     dedup: Mapping[str, Any] | None = None,
     flow_control: Mapping[str, Any] | None = None,
+    sharding: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One ``subscriptions[]`` entry with test-sized timings (short backoffs and ack deadline)."""
+    """One ``subscriptions[]`` entry with test-sized timings (short backoffs, ack deadline and shard
+    leases: a restart after kill -9 waits out the dead process's leases, 3 s here)."""
     order: dict[str, Any] = {"mode": mode}
     if mode == "sequence":
         order["key"] = {"attribute": "order_id"}
@@ -377,6 +379,7 @@ def subscription_entry(
         entry["flow_control"] = dict(flow_control)
     if dead_letter_topic is not None:
         entry["dead_letter_topic"] = dead_letter_topic
+    entry["sharding"] = {"lease_duration": "3s", "drain_timeout": "2s", **(sharding or {})}
     return entry
 
 
