@@ -380,15 +380,19 @@ def _upsert(snapshot: Any) -> tuple[str, docs.Fields, int]:
 class _Watch(Watch):
     """The official watch, also telling its ``_Listening`` when it gives up for good.
 
-    The client only logs a final failure (``_on_rpc_done`` closes the watch in a thread of its own);
-    transient ones it recovers from itself, resuming from its last resume token.
+    The client only logs a final failure: ``_on_rpc_done`` closes the watch in a thread of its own
+    by raising the error there (an unhandled-exception traceback). Here the error goes to
+    ``on_error`` instead and the watch is closed quietly. Transient failures never get here: the
+    client recovers from them itself, resuming from its last resume token.
     """
 
     def _on_rpc_done(self, future: Any) -> None:
         owner = getattr(self._snapshot_callback, "__self__", None)
-        if isinstance(owner, _Listening) and future is not None:
-            owner.failed(future)
-        super()._on_rpc_done(future)  # type: ignore[no-untyped-call]  # the client's watch is untyped
+        if not isinstance(owner, _Listening) or future is None:
+            super()._on_rpc_done(future)  # type: ignore[no-untyped-call]  # the client's watch is untyped
+            return
+        owner.failed(future)
+        threading.Thread(name="firestore-watch-close", target=self.close, daemon=True).start()
 
 
 class _Listening:
