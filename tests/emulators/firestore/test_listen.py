@@ -118,7 +118,8 @@ def test_unsubscribe_ends_the_stream_and_the_callbacks(
     client: firestore.Client, endpoint: Endpoint, watches: Watches
 ) -> None:
     emulator = endpoint.local()
-    before = emulator.listen_streams
+    poll(lambda: emulator.listen_streams == 0, "the streams of earlier tests to close")
+    before = 0
     stopped, stopped_recorder = watches.start(_inbox(client, 5))
     _, witness = watches.start(_inbox(client, 5))
     stopped_recorder.wait_count(1)
