@@ -17,7 +17,8 @@ Counters: ``reads``, ``writes``, ``deletes`` (TTL deletes included), as Firestor
 ``expire`` that changes a listen's result, ``on_change`` is scheduled with ``loop.call_soon`` (never
 called inside the write), with the first snapshot (``initial``) holding the full result. Update and
 read times come from ``_ListenClock``: strictly increasing microseconds, a new update time for every
-written document (a write that leaves the fields as they were gets one too; Firestore keeps the old).
+written document (a write that leaves the fields as they were gets one too, where Firestore keeps
+the old; a listen reports no change for it either way).
 Listen reads are billed as production bills them (see ``sidecar.emulators.firestore.listen``).
 """
 
@@ -304,6 +305,8 @@ class _MemoryListening:
             fields = owner.docs.get(path)
             if self.admits(path, fields):
                 assert fields is not None
+                if self._sent.get(path) == fields:
+                    continue  # a write that changed nothing: Firestore keeps the version, sends nothing
                 self._sent[path] = copy.deepcopy(fields)
                 upserts.append((path.rpartition("/")[2], copy.deepcopy(fields), owner.update_time_us(path)))
                 owner.reads += 1
