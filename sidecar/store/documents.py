@@ -24,7 +24,7 @@ Semantics every implementation keeps (Firestore's own):
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -136,6 +136,38 @@ class Documents(Protocol):
 
     async def close(self) -> None: ...
 
+    def listen(
+        self,
+        parent: str,
+        collection: str,
+        where: Sequence[Filter],
+        on_change: Callable[[Change], None],
+        on_error: Callable[[StoreError], None],
+    ) -> Listening:
+        """Watch ``parent/collection`` documents matching every filter (equalities). ``on_change`` is called
+        on the calling event loop (never on a client thread), once per consistent snapshot, in order."""
+        ...
+
 
 def utc_from_ms(ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One consistent snapshot of a listen's result set, as a change from the previous one."""
+
+    upserts: list[tuple[str, Fields, int]]
+    """(document id, fields, update_time_us) added to or changed in the result."""
+    removals: list[str]
+    """Document ids that left the result (deleted or no longer matching)."""
+    read_time_us: int
+    """The snapshot's read time (Firestore's clock)."""
+    initial: bool
+    """True for the first snapshot after (re)start: ``upserts`` is then the full result set."""
+
+
+class Listening(Protocol):
+    """A running ``Documents.listen``; ``close`` stops it (no ``on_change`` after it returns)."""
+
+    async def close(self) -> None: ...

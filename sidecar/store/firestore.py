@@ -11,11 +11,21 @@ Errors from Google's libraries are translated here, once: ``_RETRYABLE`` -> ``do
 (for a write: it may have applied); ``_INPUT_ERRORS`` -> ``documents.RequestRejected``; ALREADY_EXISTS
 from Commit -> ``documents.AlreadyExists``; anything else (permission, missing database or index) ->
 ``documents.Misconfigured``.
+
+``listen`` is the exception to "raw protobufs through the async client": it runs the official sync
+``Client``'s watch (``Query.on_snapshot``, ``google/cloud/firestore_v1/watch.py``: resume tokens,
+reconnects with backoff, consistent snapshots), which only the sync client has. The watch calls back
+on its own thread; ``_Listening`` hops each snapshot onto the caller's loop with
+``call_soon_threadsafe``. It decodes documents into Python values itself (``to_dict``), so those are
+normalised to what ``_get_value`` gives (plain UTC ``datetime``, reference names as strings).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +35,9 @@ from google.api_core import exceptions as core_exceptions
 from google.api_core import retry_async
 from google.auth import exceptions as auth_exceptions
 from google.cloud import firestore
+from google.cloud.firestore_v1.base_document import DocumentSnapshot
+from google.cloud.firestore_v1.base_query import FieldFilter
+from google.cloud.firestore_v1.document import DocumentReference
 from google.cloud.firestore_v1.types import (
     BatchGetDocumentsRequest,
     BatchWriteRequest,
@@ -35,6 +48,7 @@ from google.cloud.firestore_v1.types import (
     Value,
     Write,
 )
+from google.cloud.firestore_v1.watch import ChangeType, Watch
 
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
@@ -263,9 +277,46 @@ class FirestoreDocuments:
 
     async def close(self) -> None:
         """Close the gRPC channel: ``AsyncClient.close()`` leaves the GAPIC transport open."""
+        await self._close_listens()
         api = getattr(self.client, "_firestore_api_internal", None)
         if api is not None:
             await api.transport.close()
+
+    # ---- listen (the sync client's watch) -------------------------------------------------------
+
+    _watch_client: firestore.Client | None = None
+    _listens: set[_Listening] | None = None
+
+    def listen(
+        self,
+        parent: str,
+        collection: str,
+        where: Sequence[docs.Filter],
+        on_change: Callable[[docs.Change], None],
+        on_error: Callable[[StoreError], None],
+    ) -> docs.Listening:
+        if self._watch_client is None:
+            # Created once, lazily: most sidecars never listen. Same project and database;
+            # FIRESTORE_EMULATOR_HOST is honoured by the client itself.
+            database = self._database.rpartition("/")[2]
+            self._watch_client = firestore.Client(project=self.client.project, database=database)
+            self._listens = set()
+        assert self._listens is not None
+        query: Any = self._watch_client.collection(f"{parent}/{collection}" if parent else collection)
+        for condition in where:
+            query = query.where(filter=FieldFilter(condition.field, _WATCH_OPERATORS[condition.op], condition.value))
+        listening = _Listening(asyncio.get_running_loop(), on_change, on_error, self._listens)
+        listening.start(query)
+        return listening
+
+    async def _close_listens(self) -> None:
+        for listening in list(self._listens or ()):
+            await listening.close()
+        if self._watch_client is not None:
+            api = self._watch_client._firestore_api_internal
+            if api is not None:
+                api.transport.close()
+            self._watch_client = None
 
 
 class FirestoreStore(DocumentStore):
@@ -291,3 +342,125 @@ class FirestoreStore(DocumentStore):
             cursor_write_interval_ms=cursor_write_interval_ms,
             clock_ms=clock_ms,
         )
+
+
+_LOGGER = logging.getLogger(__name__)
+_WATCH_OPERATORS = {"EQUAL": "==", "GREATER_THAN_OR_EQUAL": ">="}
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MICROSECOND = datetime.timedelta(microseconds=1)
+
+
+def _micros(moment: datetime.datetime) -> int:
+    """Microseconds since the epoch, exactly (a float timestamp would round)."""
+    return (moment - _EPOCH) // _MICROSECOND
+
+
+def _from_client(value: Any) -> Any:
+    """A value the client decoded, as ``_get_value`` decodes it (the types ``get_all`` returns)."""
+    if isinstance(value, datetime.datetime):
+        # DatetimeWithNanoseconds -> a plain datetime, as Timestamp.ToDatetime gives.
+        return datetime.datetime(
+            value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond,
+            tzinfo=datetime.UTC,
+        )
+    if isinstance(value, list):
+        return [_from_client(item) for item in value]
+    if isinstance(value, dict):
+        return {name: _from_client(item) for name, item in value.items()}
+    if isinstance(value, DocumentReference):
+        return value._document_path
+    return value
+
+
+def _upsert(snapshot: Any) -> tuple[str, docs.Fields, int]:
+    fields = {name: _from_client(value) for name, value in (snapshot.to_dict() or {}).items()}
+    return snapshot.id, fields, _micros(snapshot.update_time)
+
+
+class _Watch(Watch):
+    """The official watch, also telling its ``_Listening`` when it gives up for good.
+
+    The client only logs a final failure: ``_on_rpc_done`` closes the watch in a thread of its own
+    by raising the error there (an unhandled-exception traceback). Here the error goes to
+    ``on_error`` instead and the watch is closed quietly. Transient failures never get here: the
+    client recovers from them itself, resuming from its last resume token.
+    """
+
+    def _on_rpc_done(self, future: Any) -> None:
+        owner = getattr(self._snapshot_callback, "__self__", None)
+        if not isinstance(owner, _Listening) or future is None:
+            super()._on_rpc_done(future)  # type: ignore[no-untyped-call]  # the client's watch is untyped
+            return
+        owner.failed(future)
+        threading.Thread(name="firestore-watch-close", target=self.close, daemon=True).start()
+
+
+class _Listening:
+    """One ``FirestoreDocuments.listen``: the watch, and the hop from its thread onto the loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[docs.Change], None],
+        on_error: Callable[[StoreError], None],
+        registry: set[_Listening],
+    ) -> None:
+        self._loop = loop
+        self._on_change = on_change
+        self._on_error = on_error
+        self._registry = registry
+        self._watch: Watch | None = None
+        self._pushed = False
+        self._closed = threading.Event()
+
+    def start(self, query: Any) -> None:
+        self._registry.add(self)
+        self._watch = _Watch.for_query(query, self.snapshot, DocumentSnapshot)  # type: ignore[no-untyped-call]
+
+    def snapshot(self, documents: list[Any], changes: list[Any], read_time: datetime.datetime) -> None:
+        """The watch's callback, on its consumer thread: decode here, deliver on the loop."""
+        if self._closed.is_set():
+            return
+        if not self._pushed:
+            change = docs.Change([_upsert(d) for d in documents], [], _micros(read_time), True)
+            self._pushed = True
+        else:
+            upserts = [_upsert(c.document) for c in changes if c.type != ChangeType.REMOVED]
+            removals = [c.document.id for c in changes if c.type == ChangeType.REMOVED]
+            change = docs.Change(upserts, removals, _micros(read_time), False)
+        self._hop(self._deliver, change)
+
+    def failed(self, error: Any) -> None:
+        """The watch gave up (a non-retryable status): tell ``on_error`` on the loop."""
+        if isinstance(error, grpc.RpcError):
+            error = core_exceptions.from_grpc_error(error)  # type: ignore[no-untyped-call]
+        if isinstance(error, BaseException):
+            translated = _translate(error, "listen")
+        else:
+            translated = docs.Unavailable(f"listen: the watch ended: {error!r}")
+        self._hop(self._fail, translated)
+
+    def _hop(self, callback: Callable[[Any], None], argument: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, argument)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            _LOGGER.debug("listen: dropped a snapshot after the event loop closed")
+
+    def _deliver(self, change: docs.Change) -> None:
+        if not self._closed.is_set():
+            self._on_change(change)
+
+    def _fail(self, error: StoreError) -> None:
+        if not self._closed.is_set():
+            self._on_error(error)
+
+    async def close(self) -> None:
+        """Unsubscribe and wait for the watch's threads to end; idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._registry.discard(self)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            # Joins the consumer thread (up to a second): off the loop.
+            await asyncio.to_thread(watch.close)

@@ -12,16 +12,27 @@ Faults for the simulation: ``before_write`` is called with ("commit" | "batch_wr
 anything applies and may raise (the write did not happen); ``after_write`` is called after the
 writes applied and may raise (the write happened, the caller never hears so: an ambiguous failure).
 Counters: ``reads``, ``writes``, ``deletes`` (TTL deletes included), as Firestore bills them.
+
+``listen`` keeps production's Listen semantics in memory: after each ``commit``, ``batch_write`` or
+``expire`` that changes a listen's result, ``on_change`` is scheduled with ``loop.call_soon`` (never
+called inside the write), with the first snapshot (``initial``) holding the full result. Update and
+read times come from ``_ListenClock``: strictly increasing microseconds, a new update time for every
+written document (a write that leaves the fields as they were gets one too, where Firestore keeps
+the old; a listen reports no change for it either way).
+Listen reads are billed as production bills them (see ``sidecar.emulators.firestore.listen``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar.store import documents as docs
+from sidecar.store.api import StoreError
 
 WriteHook = Callable[[str, Sequence[docs.Write]], None]
 
@@ -51,6 +62,7 @@ class MemoryDocuments:
                 raise docs.RequestRejected(f"commit: {message}")
         self.docs = staged
         self._count(writes)
+        self._notify_listens([write.path for write in writes])
         if self.after_write is not None:
             self.after_write("commit", writes)
 
@@ -68,6 +80,7 @@ class MemoryDocuments:
             if status[0] == docs.OK:
                 applied.append(write)
         self._count(applied)
+        self._notify_listens([write.path for write in applied])
         if self.after_write is not None:
             self.after_write("batch_write", writes)
         return statuses
@@ -110,6 +123,52 @@ class MemoryDocuments:
     async def close(self) -> None:
         self.closed = True
 
+    def listen(
+        self,
+        parent: str,
+        collection: str,
+        where: Sequence[docs.Filter],
+        on_change: Callable[[docs.Change], None],
+        on_error: Callable[[StoreError], None],
+    ) -> docs.Listening:
+        self._check_open()
+        listening = _MemoryListening(self, f"{parent}/{collection}/" if parent else f"{collection}/", tuple(where))
+        listening.start(asyncio.get_running_loop(), on_change)
+        return listening
+
+    _listens: list[_MemoryListening] | None = None
+    _listen_clock: _ListenClock | None = None
+    _update_times: dict[str, int] | None = None
+
+    def update_time_us(self, path: str) -> int:
+        """The listen twin's update time of a stored document (0 if it was never written through us)."""
+        return (self._update_times or {}).get(path, 0)
+
+    def listen_tick(self) -> int:
+        if self._listen_clock is None:
+            self._listen_clock = _ListenClock()
+        return self._listen_clock.tick()
+
+    def _notify_listens(self, paths: Sequence[str]) -> None:
+        """After a write applied: new update times for ``paths``, then every listen looks at them."""
+        if self._update_times is None:
+            self._update_times = {}
+        for path in paths:
+            if path in self.docs:
+                self._update_times[path] = self.listen_tick()
+            else:
+                self._update_times.pop(path, None)
+        for listening in list(self._listens or ()):
+            listening.changed(paths)
+
+    def _register_listen(self, listening: _MemoryListening, register: bool) -> None:
+        if self._listens is None:
+            self._listens = []
+        if register:
+            self._listens.append(listening)
+        elif listening in self._listens:
+            self._listens.remove(listening)
+
     # ---- TTL and inspection -------------------------------------------------------------------
 
     def expire(self, now_ms: int, field: str = "expire_at") -> int:
@@ -123,6 +182,7 @@ class MemoryDocuments:
         for path in gone:
             del self.docs[path]
         self.deletes += len(gone)
+        self._notify_listens(gone)
         return len(gone)
 
     def snapshot(self) -> dict[str, docs.Fields]:
@@ -192,3 +252,77 @@ def _matches(fields: docs.Fields, where: docs.Filter) -> bool:
         return bool(value == where.value)
     a, b = _sortable(value), _sortable(where.value)
     return bool(a[0] == b[0] and a >= b)
+
+
+class _ListenClock:
+    """Strictly increasing wall-clock microseconds: update and read times of the listen twin."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def tick(self) -> int:
+        now = time.time_ns() // 1000
+        self._last = now if now > self._last else self._last + 1
+        return self._last
+
+
+class _MemoryListening:
+    """One ``MemoryDocuments.listen``: the result set it reported, and the changes since."""
+
+    def __init__(self, owner: MemoryDocuments, prefix: str, where: tuple[docs.Filter, ...]) -> None:
+        self._owner = owner
+        self._prefix = prefix
+        self._where = where
+        self._sent: dict[str, docs.Fields] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_change: Callable[[docs.Change], None] | None = None
+        self.closed = False
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[docs.Change], None]) -> None:
+        self._loop = loop
+        self._on_change = on_change
+        owner = self._owner
+        upserts = []
+        for path, fields in owner.docs.items():
+            if self.admits(path, fields):
+                self._sent[path] = copy.deepcopy(fields)
+                upserts.append((path.rpartition("/")[2], copy.deepcopy(fields), owner.update_time_us(path)))
+        owner.reads += max(1, len(upserts))
+        owner._register_listen(self, True)
+        loop.call_soon(self._deliver, docs.Change(upserts, [], owner.listen_tick(), True))
+
+    def admits(self, path: str, fields: docs.Fields | None) -> bool:
+        if fields is None or not path.startswith(self._prefix) or "/" in path[len(self._prefix) :]:
+            return False
+        return all(_matches(fields, condition) for condition in self._where)
+
+    def changed(self, paths: Sequence[str]) -> None:
+        """Called after a write applied: schedule a Change if the result moved."""
+        owner = self._owner
+        upserts: list[tuple[str, docs.Fields, int]] = []
+        removals: list[str] = []
+        for path in dict.fromkeys(paths):
+            fields = owner.docs.get(path)
+            if self.admits(path, fields):
+                assert fields is not None
+                if self._sent.get(path) == fields:
+                    continue  # a write that changed nothing: Firestore keeps the version, sends nothing
+                self._sent[path] = copy.deepcopy(fields)
+                upserts.append((path.rpartition("/")[2], copy.deepcopy(fields), owner.update_time_us(path)))
+                owner.reads += 1
+            elif path in self._sent:
+                del self._sent[path]
+                removals.append(path.rpartition("/")[2])
+                owner.reads += fields is not None  # removed because it changed; a delete is free
+        if (upserts or removals) and self._loop is not None:
+            change = docs.Change(upserts, removals, owner.listen_tick(), False)
+            self._loop.call_soon(self._deliver, change)
+
+    def _deliver(self, change: docs.Change) -> None:
+        if not self.closed and self._on_change is not None:
+            self._on_change(change)
+
+    async def close(self) -> None:
+        self.closed = True
+        self._owner._register_listen(self, False)
+

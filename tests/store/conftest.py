@@ -7,6 +7,7 @@ never see each other's documents; counters are global, so tests assert on differ
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ class Emulator:
     host: str
     injector: FaultInjector
     emulator: FirestoreEmulator
+    loop: asyncio.AbstractEventLoop
+    """The emulator's own loop (coroutines of the injector run there)."""
 
     def counters(self) -> dict[str, int]:
         return dict(self.emulator.counters)
@@ -43,7 +46,7 @@ def firestore_emulator() -> Iterator[Emulator]:
         thread.stop()
         raise RuntimeError(f"Firestore emulator did not start: {thread.error!r}")
     try:
-        yield Emulator(f"127.0.0.1:{thread.port}", thread.injector, thread.emulator)
+        yield Emulator(f"127.0.0.1:{thread.port}", thread.injector, thread.emulator, thread.loop)
     finally:
         thread.stop()
 

@@ -6,7 +6,8 @@
 (field paths), ``names`` (resource names), ``limits`` (production limits), ``documents``
 (store, versions, history), ``writes`` (one write: preconditions, masks, transforms),
 ``query`` (StructuredQuery), ``transactions`` (isolation), ``counters`` (billing),
-``service`` (gRPC handlers), ``protos`` (the one importer of Google's libraries).
+``listen`` and ``listen_targets`` (the Listen stream), ``service`` (gRPC handlers), ``protos``
+(the one importer of Google's libraries).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from aiohttp import web
 from sidecar.emulators.faults import FaultInjector
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore
+from sidecar.emulators.firestore.listen import ListenHub
 from sidecar.emulators.firestore.service import FirestoreService
 from sidecar.emulators.firestore.transactions import TransactionManager
 
@@ -46,10 +48,18 @@ class FirestoreEmulator:
         self._counters = Counters()
         self._store = DocumentStore(retention_us=int(version_retention_seconds * 1_000_000))
         self._transactions = TransactionManager(monotonic, lock_timeout_seconds)
-        self._service = FirestoreService(self._store, self._transactions, self._counters)
+        self._listens = ListenHub(self._store, self._counters)
+        self._service = FirestoreService(self._store, self._transactions, self._counters, self._listens)
+        # Admin ``POST /streams/break {"service": "firestore"}`` ends the open Listen streams.
+        injector.stream_breakers["firestore"] = self._listens.break_streams
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         server.add_generic_rpc_handlers((self._service.handler(),))
+
+    @property
+    def listen_streams(self) -> int:
+        """How many Listen streams are open (read on the server's loop, or as a racy count in tests)."""
+        return len(self._listens.sessions)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -62,6 +72,7 @@ class FirestoreEmulator:
         """Drop all documents and transactions (counters are kept: reset those separately)."""
         self._transactions.clear()
         self._store.clear()
+        self._listens.reset()
 
     def admin_routes(self) -> list[web.RouteDef]:
         async def get_counters(request: web.Request) -> web.Response:
@@ -84,3 +95,6 @@ class FirestoreEmulator:
     async def close(self) -> None:
         """End every transaction (waking commits that wait on them); idempotent."""
         self._transactions.clear()
+        if self.injector.stream_breakers.get("firestore") == self._listens.break_streams:
+            del self.injector.stream_breakers["firestore"]
+        await self._listens.break_streams(grpc.StatusCode.UNAVAILABLE)

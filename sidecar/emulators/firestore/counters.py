@@ -2,7 +2,9 @@
 
 - reads: one per document returned by a get, batch get (a missing document costs a read too),
   query or list; a query or list that returns nothing costs one; an aggregation costs one per
-  1,000 documents matched (at least one); ListCollectionIds costs one per call.
+  1,000 documents matched (at least one); ListCollectionIds costs one per call. A Listen costs
+  one per document added to or changed in its result, one per document that left it because it
+  changed (not when deleted), and at least one when it starts (``listen``).
 - writes: one per document written by a set, update, create or transform (a write carrying
   transforms is still one write).
 - deletes: one per delete write, existing document or not.

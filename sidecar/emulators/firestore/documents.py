@@ -15,6 +15,9 @@ Invariants:
   time that ended it; a read at time T takes the first version ending after T, else the current
   one, and a version whose ``update_us`` is later than T reads as missing.
   Collections are listed at T only if they held a document at T (``collection_paths``).
+- ``observers`` are called after every ``apply`` that changed something, with the changed names
+  and their new records (None: deleted), still inside the commit's synchronous step: so a
+  listener (``listen``) sees every commit, whole, in commit order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +127,7 @@ class DocumentStore:
     _history: dict[str, list[tuple[int, Record]]] = field(default_factory=dict)
     _history_order: deque[tuple[int, str]] = field(default_factory=deque)
     _history_by_collection: dict[str, dict[str, None]] = field(default_factory=dict)
+    observers: list[Callable[[list[tuple[str, Record | None]], int], None]] = field(default_factory=list)
 
     def clear(self) -> None:
         self.collections.clear()
@@ -193,12 +197,14 @@ class DocumentStore:
 
     def apply(self, changes: dict[str, Record | None], commit_us: int) -> None:
         """Store new versions (None deletes) of several documents at once; see the module docstring."""
+        changed: list[tuple[str, Record | None]] = []
         for name, record in changes.items():
             parent, _, doc_id = name.rpartition("/")
             collection = self.collections.get(parent)
             old = None if collection is None else collection.docs.get(doc_id)
             if old is record:
                 continue
+            changed.append((name, record))
             if old is not None:
                 self._remember(name, parent, old, commit_us)
             if record is None:
@@ -214,6 +220,9 @@ class DocumentStore:
                 self.by_collection_id.setdefault(cid, set()).add(parent)
             collection.put(doc_id, record)
         self._expire_history(commit_us)
+        if changed:
+            for observer in self.observers:
+                observer(changed, commit_us)
 
     def _drop_collection(self, path: str) -> None:
         del self.collections[path]
@@ -251,3 +260,18 @@ class DocumentStore:
 
     def oldest_readable_us(self, now_us: int) -> int:
         return now_us - self.retention_us
+
+    def changed_after(self, name: str, since_us: int) -> bool:
+        """Whether any commit after ``since_us`` wrote or deleted ``name`` (needs ``since_us`` within retention)."""
+        current = self.get(name)
+        if current is not None and current.update_us > since_us:
+            return True
+        return any(end_us > since_us for end_us, _ in self._history.get(name, ()))
+
+    def versions_after(self, name: str, since_us: int) -> list[Record]:
+        """Every version of ``name`` current at some moment after ``since_us``, oldest first."""
+        versions = [old for end_us, old in self._history.get(name, ()) if end_us > since_us]
+        current = self.get(name)
+        if current is not None:
+            versions.append(current)
+        return versions

@@ -57,6 +57,13 @@ BatchWriteRequest = firestore.BatchWriteRequest.pb()
 BatchWriteResponse = firestore.BatchWriteResponse.pb()
 ListCollectionIdsRequest = firestore.ListCollectionIdsRequest.pb()
 ListCollectionIdsResponse = firestore.ListCollectionIdsResponse.pb()
+ListenRequest = firestore.ListenRequest.pb()
+ListenResponse = firestore.ListenResponse.pb()
+Target = firestore.Target.pb()
+TargetChange = firestore.TargetChange.pb()
+DocumentChange = write.DocumentChange.pb()
+DocumentDelete = write.DocumentDelete.pb()
+DocumentRemove = write.DocumentRemove.pb()
 
 Empty = empty_pb2.Empty
 Timestamp = timestamp_pb2.Timestamp
@@ -69,6 +76,7 @@ UNARY_OP = StructuredQuery.UnaryFilter.Operator
 COMPOSITE_OP = StructuredQuery.CompositeFilter.Operator
 DIRECTION = StructuredQuery.Direction
 SERVER_VALUE = FieldTransform.ServerValue
+TARGET_CHANGE = TargetChange.TargetChangeType
 
 
 def timestamp_from_micros(micros: int) -> Timestamp:

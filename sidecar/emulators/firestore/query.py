@@ -430,3 +430,30 @@ def _nth_key(index: int) -> Callable[[tuple[list[Key], Record]], Key]:
         return row[0][index]
 
     return key
+
+
+def is_incremental(query: CompiledQuery) -> bool:
+    """Whether membership in the result is a property of each document alone (no limit, offset or kindless scope)."""
+    return query.limit is None and query.offset == 0 and bool(query.collection_id)
+
+
+def in_scope(query: CompiledQuery, collection_path: str) -> bool:
+    """Whether documents directly in ``collection_path`` are candidates of a query with a collection id."""
+    if not query.all_descendants:
+        return collection_path == f"{query.parent}/{query.collection_id}"
+    return collection_path.startswith(query.parent + "/") and collection_path.rpartition("/")[2] == query.collection_id
+
+
+def matches(query: CompiledQuery, doc: Any) -> bool:
+    """Whether ``doc`` is in the result of an ``is_incremental`` query: the same test ``execute`` applies."""
+    if not in_scope(query, doc.name.rpartition("/")[0]):
+        return False
+    if query.predicate is not None and not query.predicate(doc):
+        return False
+    keys = []
+    for path, _ in query.orders:
+        key = _field_value_key(doc, path)
+        if key is None:
+            return False
+        keys.append(key)
+    return _within_cursors(query, keys)

@@ -8,8 +8,9 @@ lock wait, which comes before validation and before anything is staged.
 Errors: domain code raises ``FirestoreError``; the wrappers here turn it into the gRPC status.
 Any other exception is logged and reported as INTERNAL with its message, so a bug can never
 become UNKNOWN (which some client methods retry for minutes) nor take the server down.
-Not served (UNIMPLEMENTED): Listen, Write (streaming), PartitionQuery, ExecutePipeline, and
-queries with ``find_nearest`` (vector search) or ``explain_options``.
+Listen is served by ``listen.ListenHub`` (its own module). Not served (UNIMPLEMENTED): Write
+(streaming), PartitionQuery, ExecutePipeline, and queries with ``find_nearest`` (vector search) or
+``explain_options``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sidecar.emulators.firestore.aggregation import aggregate, parse_aggregation
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
 from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found, unimplemented
+from sidecar.emulators.firestore.listen import ListenHub
 from sidecar.emulators.firestore.paths import parse_field_path
 from sidecar.emulators.firestore.query import CompiledQuery, compile_query, execute
 from sidecar.emulators.firestore.transactions import Transaction, TransactionManager
@@ -56,10 +58,13 @@ def _micros_of(ts: Any) -> int:
 class FirestoreService:
     """The servicer: request decoding, consistency selection, commit staging, billing."""
 
-    def __init__(self, store: DocumentStore, transactions: TransactionManager, counters: Counters) -> None:
+    def __init__(
+        self, store: DocumentStore, transactions: TransactionManager, counters: Counters, listens: ListenHub
+    ) -> None:
         self.store = store
         self.transactions = transactions
         self.counters = counters
+        self.listens = listens
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -71,6 +76,11 @@ class FirestoreService:
 
         def stream(fn: Callable[..., AsyncIterator[Any]], req: Any, resp: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_stream_rpc_method_handler(
+                _stream(fn), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            )
+
+        def bidi(fn: Callable[..., AsyncIterator[Any]], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+            return grpc.stream_stream_rpc_method_handler(
                 _stream(fn), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
             )
 
@@ -95,6 +105,7 @@ class FirestoreService:
                     self.batch_get_documents, pb.BatchGetDocumentsRequest, pb.BatchGetDocumentsResponse
                 ),
                 "RunQuery": stream(self.run_query, pb.RunQueryRequest, pb.RunQueryResponse),
+                "Listen": bidi(self.listens.listen, pb.ListenRequest, pb.ListenResponse),
                 "RunAggregationQuery": stream(
                     self.run_aggregation_query, pb.RunAggregationQueryRequest, pb.RunAggregationQueryResponse
                 ),
