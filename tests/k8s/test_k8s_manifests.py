@@ -9,13 +9,12 @@ sidecars on by default) and the newest the package knows.
 Consistency: the config in each ConfigMap loads with the project's own loader; the probes point at
 the port and paths the sidecar's HTTP endpoint really serves (checked against a running one); the
 container runs a command line the CLI accepts; the socket the app is told to use is the one the
-config listens on, in a volume both containers mount.
+config listens on, in a volume both containers mount. How several pods share a subscription
+(replicas, rollout, disruption budget, grace period): ``test_k8s_scale_out``.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import ipaddress
 import re
 import shutil
@@ -28,25 +27,24 @@ import kubernetes_validate
 import pytest
 import yaml
 from kustomize_build import KustomizeFailed, Resource, load_yaml_documents, pod_containers, render
+from rendered_manifests import (
+    BASE,
+    OVERLAY,
+    SIDECAR_CONTAINER,
+    app_containers,
+    config_text,
+    loaded_config,
+    only,
+    pod_spec,
+    rendered_copy,
+    sidecar_args,
+    sidecar_container,
+)
 
-from sidecar.cli import build_parser
-from sidecar.config import load_config
 from sidecar.observability import HttpEndpoint, Metrics, Readiness
-
-ROOT = Path(__file__).resolve().parents[2]
-BASE = ROOT / "k8s" / "base"
-OVERLAY = ROOT / "k8s" / "overlays" / "example"
 
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 """1.29 turned native sidecars (restartPolicy: Always on an init container) on by default."""
-
-SIDECAR_CONTAINER = "pubsub-sidecar"
-CONFIG_KEY = "sidecar.yaml"
-
-SHUTDOWN_MARGIN_SECONDS = 15
-"""Beyond the sidecar's --grace-period: the app's own exit before the sidecar is signalled, and
-closing the Pub/Sub, Firestore and Monitoring clients after the drain."""
-
 
 # ---- helpers ---------------------------------------------------------------------------------
 
@@ -54,36 +52,6 @@ closing the Pub/Sub, Firestore and Monitoring clients after the drain."""
 def base_manifest_files() -> list[Path]:
     (kustomization,) = load_yaml_documents(BASE / "kustomization.yaml")
     return [BASE / entry for entry in kustomization["resources"]]
-
-
-def only(resources: list[Resource], kind: str) -> Resource:
-    found = [resource for resource in resources if resource["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
-
-
-def pod_spec(resources: list[Resource]) -> dict[str, Any]:
-    return only(resources, "Deployment")["spec"]["template"]["spec"]
-
-
-def sidecar_container(resources: list[Resource]) -> dict[str, Any]:
-    (container,) = [c for c in pod_spec(resources).get("initContainers", []) if c["name"] == SIDECAR_CONTAINER]
-    return container
-
-
-def app_containers(resources: list[Resource]) -> list[dict[str, Any]]:
-    return pod_spec(resources)["containers"]
-
-
-def config_text(resources: list[Resource]) -> str:
-    return only(resources, "ConfigMap")["data"][CONFIG_KEY]
-
-
-def loaded_config(resources: list[Resource], directory: Path) -> Any:
-    """The ConfigMap's config as the sidecar itself loads it (raises ConfigError if invalid)."""
-    path = directory / CONFIG_KEY
-    path.write_text(config_text(resources))
-    return load_config(path)
 
 
 def http_port(config: Any) -> int:
@@ -99,26 +67,6 @@ def resolve_port(container: dict[str, Any], port: int | str) -> int:
 
 def probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {kind: container[kind] for kind in ("livenessProbe", "readinessProbe", "startupProbe") if kind in container}
-
-
-def sidecar_args(resources: list[Resource]) -> Any:
-    container = sidecar_container(resources)
-    return build_parser().parse_args(container["args"])
-
-
-@functools.cache
-def _rendered(directory: Path) -> list[Resource]:
-    return render(directory)
-
-
-def rendered_copy(directory: Path) -> list[Resource]:
-    """kustomize's rendering of ``directory`` (run once per directory), a copy the test may change."""
-    return copy.deepcopy(_rendered(directory))
-
-
-@pytest.fixture(params=["base", "overlay"])
-def rendered(request: pytest.FixtureRequest) -> list[Resource]:
-    return rendered_copy(BASE if request.param == "base" else OVERLAY)
 
 
 # ---- schema validation -----------------------------------------------------------------------
@@ -282,29 +230,6 @@ def test_scrape_annotations_point_at_the_metrics_port(rendered: list[Resource], 
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == http_port(loaded_config(rendered, tmp_path))
-
-
-def test_termination_grace_period_covers_the_sidecars_grace_period(rendered: list[Resource]) -> None:
-    grace_seconds = sidecar_args(rendered).grace_period
-    assert pod_spec(rendered)["terminationGracePeriodSeconds"] >= grace_seconds + SHUTDOWN_MARGIN_SECONDS
-
-
-def test_only_one_sidecar_pulls_a_subscription_at_a_time(rendered: list[Resource]) -> None:
-    spec = only(rendered, "Deployment")["spec"]
-    assert spec["replicas"] == 1
-    # RollingUpdate would start the new pod while the old one still pulls.
-    assert spec["strategy"]["type"] == "Recreate"
-
-
-def test_pod_disruption_budget_selects_the_pods_and_never_blocks_a_drain(rendered: list[Resource]) -> None:
-    pdb = only(rendered, "PodDisruptionBudget")["spec"]
-    deployment = only(rendered, "Deployment")["spec"]
-    labels = deployment["template"]["metadata"]["labels"]
-    assert pdb["selector"]["matchLabels"].items() <= labels.items()
-    if "minAvailable" in pdb:
-        assert pdb["minAvailable"] < deployment["replicas"]
-    else:
-        assert pdb["maxUnavailable"] >= 1
 
 
 def test_containers_are_locked_down_and_sized(rendered: list[Resource]) -> None:
