@@ -328,11 +328,11 @@ class FlowControlConfig(_Model):
 
 class ShardingConfig(_Model):
     """Several pods on one subscription: keys are spread over ``shards`` shards, each leased to one
-    pod at a time (docs/scaling.md). The same values must be used by every pod of a subscription."""
+    pod at a time (docs/operations.md, "Scaling out"). The same values must be used by every pod of a subscription."""
 
     shards: int = Field(16, ge=1, le=MAX_SHARDS)
     """S: how many shards the subscription's keys hash into. Aim for 4 or more per pod at the
-    largest replica count; changing it needs every pod stopped first (docs/scaling.md)."""
+    largest replica count; changing it needs every pod stopped first (docs/operations.md, "Scaling out")."""
     lease_duration_ms: PositiveDurationMs = Field(10_000, alias="lease_duration")
     """How long a shard's lease lasts without renewal: the failover time after a pod dies (kill -9,
     node loss). Renewed every third of it."""
