@@ -1,7 +1,7 @@
 """The compatibility rule for proto/ (scripts/proto_compat.py): what breaks existing clients fails.
 
 The committed baseline is the API as clients know it. Each kind of break is shown caught on a mutated
-copy of the baseline; additions (the shard epoch an engineer will add, a new method, ...) pass, and
+copy of the baseline; additions (a new field, a new method, ...) pass, and
 only ask for the baseline to be refreshed with `make proto-baseline`.
 """
 
@@ -258,7 +258,7 @@ def test_enum_values_may_be_added_but_not_removed_or_renamed(compat: ModuleType,
 def test_additions_are_compatible(compat: ModuleType, baseline: Descriptors) -> None:
     def add(d: Descriptors) -> None:
         message(d, "OrderedMessage").field.add(
-            name="epoch", number=13, label=FieldProto.LABEL_OPTIONAL, type=FieldProto.TYPE_INT64, json_name="epoch"
+            name="note", number=40, label=FieldProto.LABEL_OPTIONAL, type=FieldProto.TYPE_STRING, json_name="note"
         )
         file_of(d).message_type.add(name="ReleaseKeyRequest")
         file_of(d).service[0].method.add(
@@ -287,7 +287,7 @@ def test_an_added_field_in_the_proto_source_passes_and_asks_for_the_baseline_upd
         tmp_path,
         lambda text: text.replace(
             "  repeated SkippedRange skipped = 12;\n",
-            "  repeated SkippedRange skipped = 12;\n  // The shard's epoch.\n  int64 epoch = 13;\n",
+            "  repeated SkippedRange skipped = 12;\n  // A note for the app.\n  string note = 40;\n",
         ),
     )
     baseline_copy = tmp_path / "baseline.txtpb"
@@ -297,7 +297,7 @@ def test_an_added_field_in_the_proto_source_passes_and_asks_for_the_baseline_upd
     (problem,) = compat.check(baseline_copy, descriptors)
     assert problem.startswith("proto/ has compatible changes the baseline does not record yet")
     assert "run `make proto-baseline`" in problem
-    assert 'name: "epoch"' in problem  # the diff shows what is new
+    assert 'name: "note"' in problem  # the diff shows what is new
     compat.update(baseline_copy, descriptors)
     assert compat.check(baseline_copy, descriptors) == []
 
