@@ -39,6 +39,8 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         tombstones_per_commit=draw(st.integers(1, 3)),
         max_held_bytes=draw(st.sampled_from([None, 0, 20])),
         max_idle_keys=draw(st.sampled_from([0, 1, 10_000])),
+        pods=draw(st.integers(1, 3)),
+        shards=draw(st.integers(1, 3)),
     )
 
 
