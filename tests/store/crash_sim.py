@@ -946,6 +946,10 @@ class Simulation:
         }
         return self.confirmed_unblocks | recorded
 
+    def snapshot_of_messages(self) -> dict[str, dict[str, Any]]:
+        """Every message document as it is now (to show that a refused Commit changed nothing)."""
+        return {path: dict(fields) for path, fields in self.documents.docs.items() if "/messages/" in path}
+
     def pending_documents(self) -> set[Identity]:
         return self._documents_in(("pending",))
 
