@@ -3,15 +3,17 @@
     .venv/bin/python scripts/explore_crashes.py --runs 2000 [--steps 120] [--first-seed 0]
 
 Each run draws a configuration (keys, window, attempts, policies, gaps, conflicts, memory budget,
-idle keys) and a list of operations from its seed, plays them through ``tests/store/crash_sim.py``
+idle keys, pods and shards) and a list of operations from its seed, plays them through ``tests/store/crash_sim.py``
 (crashes included), drains, and checks G1-G3 and liveness. Prints each violation with its seed
 (rerun one with ``--runs 1 --first-seed N``) and the totals: crashes, crash points inside store
-writes, confirmed acks, dead letters. Exit code 1 when any run broke a guarantee.
+writes, shard handovers, writes fenced off an old owner, confirmed acks, dead letters. Exit code 1
+when any run broke a guarantee.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import sys
 from pathlib import Path
@@ -42,6 +44,8 @@ def draw(seed: int, steps: int) -> tuple[SimConfig, list[tuple[str, int]]]:
         tombstones_per_commit=rng.randint(1, 3),
         max_held_bytes=rng.choice([None, 0, 20]),
         max_idle_keys=rng.choice([0, 1, 10_000]),
+        pods=rng.randint(1, 3),
+        shards=rng.randint(1, 3),
     )
     operations = [(rng.choice(Simulation.OPS), rng.randint(0, 1_000)) for _ in range(steps)]
     return config, operations
@@ -53,7 +57,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--first-seed", type=int, default=0)
     args = parser.parse_args()
-    totals = {"runs": 0, "violations": 0, "crashes": 0, "crash_points": 0, "confirmed": 0, "dead_lettered": 0}
+    logging.getLogger("sidecar.store").setLevel(logging.ERROR)  # every fenced write logs a lost shard
+    totals = dict.fromkeys(
+        ("runs", "violations", "crashes", "crash_points", "handovers", "fenced", "confirmed", "dead_lettered"), 0
+    )
     for seed in range(args.first_seed, args.first_seed + args.runs):
         config, operations = draw(seed, args.steps)
         sim = Simulation(config)
@@ -65,6 +72,8 @@ def main() -> int:
         totals["runs"] += 1
         totals["crashes"] += sim.crashes
         totals["crash_points"] += sim.crash_points
+        totals["handovers"] += sim.handovers
+        totals["fenced"] += sim.fenced_writes
         totals["confirmed"] += len(sim.confirmed)
         totals["dead_lettered"] += len(sim.dead_lettered)
     print(" ".join(f"{name}={value}" for name, value in totals.items()))

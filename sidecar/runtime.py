@@ -362,9 +362,7 @@ class SubscriptionRuntime:
         if entry is None or (epoch is not None and entry.epoch != epoch):
             return False
         self._engines.remove(shard)
-        release = getattr(self._store, "release", None)
-        if release is not None:
-            release(self.name, frozenset({shard}))
+        self._store.release(self.name, frozenset({shard}))
         self.counters.shards_dropped += 1
         _LOGGER.warning(
             "subscription %s: shard %d (epoch %d) dropped; its keys are delivered by its next owner",

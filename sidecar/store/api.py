@@ -9,11 +9,12 @@ and only then confirms the acks to the app; recovery calls ``load`` before anyth
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.engine.types import AckIntent, DeadLetterPolicy, EngineSnapshot, KeyCursor, Message, Mode, Payload
+from sidecar.shards import MAX_SHARDS
 
 DEAD_LETTERED = "dead_lettered"
 """``mark_done`` state: dead-lettered in its key's order (attempts exhausted, or the app asked)."""
@@ -36,18 +37,18 @@ class StoreRejected(StoreError):
 
 
 class ShardLost(StoreError):
-    """An advancing write was refused: this pod's lease on ``shards`` has moved on (fencing).
+    """This pod no longer owns ``shards`` (a fence failed, or it knew so at once).
 
-    Everything of the call outside ``shards`` was applied; nothing inside them was, and this pod
-    must not retry it: the shards' new owner advances those keys now."""
+    Raised by ``commit_acks``, ``mark_done``, ``unblock`` and ``flush``: everything of the call outside
+    these shards was applied and is durable; nothing inside them was, and the store has forgotten
+    their cursor state (``Store.release``). Their keys are the new owner's now: stop delivering them,
+    and never confirm their acks (the new owner's app gets those messages again, which G3 allows).
+    """
 
-    def __init__(self, subscription: str, shards: frozenset[int]) -> None:
-        super().__init__(
-            f"subscription {subscription!r}: shards {sorted(shards)} are no longer owned by this pod "
-            "(their lease moved to another owner); writes for them were refused"
-        )
+    def __init__(self, subscription: str, shards: Iterable[int]) -> None:
         self.subscription = subscription
-        self.shards = shards
+        self.shards: frozenset[int] = frozenset(shards)
+        super().__init__(f"subscription {subscription!r}: lost shard(s) {sorted(self.shards)} to another owner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,9 @@ class SubscriptionStoreConfig:
     on_dead_letter: DeadLetterPolicy = "block"
     sequence_start: int = 1
     first_sequence_any: bool = False
+    shards: int = 1
+    """S: a key's shard is ``sidecar.shards.shard_of(key, shards)``; written on every message and
+    cursor document, so it must be the same on every pod of the subscription."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("sequence", "watermark", "none"):
@@ -67,6 +71,8 @@ class SubscriptionStoreConfig:
             raise ValueError(f"dedup_ttl_ms: must be positive, got {self.dedup_ttl_ms}")
         if self.on_dead_letter not in ("block", "skip"):
             raise ValueError(f"on_dead_letter: must be block or skip, got {self.on_dead_letter!r}")
+        if type(self.shards) is not int or not 1 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"shards: must be an integer 1..{MAX_SHARDS}, got {self.shards!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,8 @@ class IncomingMessage:
     sequence: int | None = None
     timestamp_ms: int | None = None
     to_owner: bool = False
-    """Stored by a pod that does not deliver its key: the document is marked for the key's owner
-    (``inbox``), whose Listen picks it up."""
+    """Persisted by a pod that does not own the key's shard: the document carries ``inbox`` so that
+    the owner's Listen hands it over (also merged into a pending copy that already exists)."""
 
     def to_message(self, stored_at_ms: int, ref: str) -> Message:
         """The engine's view of this message once a store made it durable under ``ref``."""
@@ -160,8 +166,10 @@ class Store(Protocol):
         now_ms: int,
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | None = None,
+        shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         """Cursors and pending messages, to rebuild the engine before anything is delivered.
+        ``shards``: only those shards' keys (a pod that takes shards over loads just them); None: all.
         ``progress`` is called with the number of documents read so far, as reading goes on. Past
         ``max_payload_bytes`` of payloads, pending messages come back stripped (``Payload.stripped``):
         read them with ``read_payloads`` when they are delivered.
@@ -170,7 +178,13 @@ class Store(Protocol):
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         """The key's durable cursor as the store knows it now (no I/O): lets the engine forget an
-        idle key and rebuild it when a message for it arrives. None: nothing durable for the key."""
+        idle key and rebuild it when a message for it arrives. None: nothing durable for the key
+        (or its shard was released)."""
+        ...
+
+    def release(self, subscription: str, shards: frozenset[int]) -> None:
+        """Forget the cached cursor state of ``shards``' keys, and their unwritten cursor updates (no
+        I/O): the pod lost them, another owner advances them now. ``load(shards=...)`` takes them back."""
         ...
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:

@@ -37,6 +37,9 @@ Invariants:
   with the time of its oldest unwritten change, and a later Commit (an ack batch or the background
   flush) writes it. ``clean_through_ms`` is the time before which every durable change is in a
   cursor document: recovery folds in the tombstones finished after the checkpointed value.
+- **Shards.** Every key belongs to one shard (``CursorRules.shard``). A pod that loses a shard
+  forgets its keys' states and unwritten changes (``release``): the new owner advances them now,
+  from what is durable; a later ``restore`` of the shard replaces whatever the book held for it.
 - **Cursor documents never expire.** A key's cursor must outlive every message that can still
   come for it: a cursor that expired would restart the key at ``start`` (its next message waits
   forever for sequence 1, and a replay of old messages is delivered again).
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.engine.types import AckIntent, DeadLetterPolicy, KeyCursor, Message, Mode
+from sidecar.shards import shard_of
 from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument, check_version
 
 Position = tuple[int, str]
@@ -103,6 +107,11 @@ class CursorRules:
     on_dead_letter: DeadLetterPolicy = "block"
     sequence_start: int | None = 1
     """Where a new key starts in sequence mode; None with ``first_sequence: any`` (adopted)."""
+    shards: int = 1
+    """S, the subscription's shard count."""
+
+    def shard(self, key: str) -> int:
+        return shard_of(key, self.shards)
 
     def new_state(self, key: str) -> KeyState:
         return KeyState(key, next_sequence=self.sequence_start if self.mode == "sequence" else None)
@@ -240,16 +249,21 @@ class CursorBook:
         if state.dirty_since_ms is None and cursor_fields(state) != before:
             state.dirty_since_ms = now_ms
 
-    def due(self, now_ms: int, proposed: dict[str, KeyState], limit: int) -> list[KeyState]:
-        """Dirty states (proposed first, then the book's) whose document may be written now."""
+    def due(
+        self, now_ms: int, proposed: dict[str, KeyState], limit: int, shards: Iterable[int] | None = None
+    ) -> list[KeyState]:
+        """Dirty states (proposed first, then the book's) whose document may be written now; only
+        those of ``shards`` when given."""
         candidates = dict(proposed)
         for key in self._dirty:
             candidates.setdefault(key, self.states[key])
+        wanted = None if shards is None else set(shards)
         due = [
             state
             for state in candidates.values()
             if state.dirty_since_ms is not None
             and (state.written_ms is None or now_ms - state.written_ms >= self.interval_ms)
+            and (wanted is None or self.rules.shard(state.key) in wanted)
         ]
         return due[:limit]
 
@@ -263,12 +277,25 @@ class CursorBook:
             kept.dirty_since_ms = None
             self._dirty.discard(state.key)
 
-    def restore(self, states: dict[str, KeyState], dirty_since_ms: int) -> None:
-        """Replace the book with recovered states; keys whose document lagged are dirty."""
-        self.states = states
-        self._dirty = {key for key, state in states.items() if state.dirty_since_ms is not None}
-        for key in self._dirty:
-            states[key].dirty_since_ms = dirty_since_ms
+    def restore(self, states: dict[str, KeyState], dirty_since_ms: int, shards: Iterable[int] | None = None) -> None:
+        """Replace the book (or, with ``shards``, those shards' part of it) with recovered states;
+        keys whose document lagged are dirty."""
+        if shards is None:
+            self.states, self._dirty = {}, set()
+        else:
+            self.release(shards)
+        self.states.update(states)
+        for key, state in states.items():
+            if state.dirty_since_ms is not None:
+                state.dirty_since_ms = dirty_since_ms
+                self._dirty.add(key)
+
+    def release(self, shards: Iterable[int]) -> None:
+        """Forget the states and unwritten changes of ``shards``' keys (another owner has them)."""
+        lost = set(shards)
+        for key in [key for key in self.states if self.rules.shard(key) in lost]:
+            del self.states[key]
+            self._dirty.discard(key)
 
     def dirty_states(self, proposed: dict[str, KeyState]) -> list[KeyState]:
         """Every state with an unwritten change, ``proposed`` taking precedence over the book."""

@@ -18,7 +18,11 @@ Semantics every implementation keeps (Firestore's own):
 - Errors: ``Unavailable`` (transient; a write may or may not have applied), ``RequestRejected``
   (the request was refused as invalid, nothing applied), ``Misconfigured`` (permission, missing
   database or index: nothing a retry of the same call fixes soon), ``AlreadyExists`` (``commit``
-  only: a create found its document).
+  only: a create found its document), ``Fenced`` (``commit`` with fences: a fence did not hold,
+  nothing applied).
+- ``commit(writes, fences)``: every ``Fence`` names a document (a shard's lease) and field values it
+  must still have when the writes apply. The check and the writes are one atomic step: no write to
+  a fence document can come between them. Without fences a commit costs what it always did.
 """
 
 from __future__ import annotations
@@ -58,6 +62,42 @@ class Misconfigured(StoreRejected):
 
 class AlreadyExists(StoreError):
     """``commit``: a create precondition found its document; nothing applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A condition a fenced ``commit`` checks atomically with its writes."""
+
+    path: str
+    """A lease document."""
+    expected: Mapping[str, Any]
+    """Field values it must still have, e.g. ``{"owner": "pod-a", "epoch": 7}``; a missing document fails."""
+
+
+class Fenced(StoreError):
+    """A fence of a ``commit`` did not hold (the lease changed hands): nothing of the commit applied."""
+
+    def __init__(self, paths: Sequence[str], message: str) -> None:
+        super().__init__(message)
+        self.paths: tuple[str, ...] = tuple(paths)
+        """The fence documents whose fields differed (or that were missing)."""
+
+
+def failed_fences(fences: Sequence[Fence], found: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """Paths of the fences that ``found`` (path -> fields, None when missing) does not satisfy."""
+    failed = []
+    for fence in fences:
+        fields = found.get(fence.path)
+        if fields is None or any(
+            name not in fields or fields[name] != value or type(fields[name]) is not type(value)
+            for name, value in fence.expected.items()
+        ):
+            failed.append(fence.path)
+    return failed
+
+
+def fenced_error(what: str, paths: Sequence[str]) -> Fenced:
+    return Fenced(paths, f"{what}: fence not held (the lease changed): {', '.join(paths)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +150,8 @@ class Page:
 
 
 class Documents(Protocol):
-    async def commit(self, writes: Sequence[Write]) -> None:
-        """Apply all writes atomically, or raise."""
+    async def commit(self, writes: Sequence[Write], fences: Sequence[Fence] = ()) -> None:
+        """Apply all writes atomically if every fence holds, or raise (``Fenced`` when one does not)."""
         ...
 
     async def batch_write(self, writes: Sequence[Write]) -> list[tuple[int, str]]:
@@ -126,12 +166,13 @@ class Documents(Protocol):
         self,
         parent: str,
         collection: str,
-        where: Filter | None,
+        where: Filter | Sequence[Filter] | None,
         order_by: str | None,
         after: object | None,
         limit: int,
     ) -> Page:
-        """Documents of ``parent/collection`` matching ``where``, ordered by (``order_by``, name)."""
+        """Documents of ``parent/collection`` matching ``where`` (a list: all of them), ordered by
+        (``order_by``, name). Equality filters on several fields need no composite index."""
         ...
 
     async def close(self) -> None: ...
@@ -147,6 +188,15 @@ class Documents(Protocol):
         """Watch ``parent/collection`` documents matching every filter (equalities). ``on_change`` is called
         on the calling event loop (never on a client thread), once per consistent snapshot, in order."""
         ...
+
+
+def filters_of(where: Filter | Sequence[Filter] | None) -> list[Filter]:
+    """``query``'s ``where`` as a list (empty: no filter)."""
+    if where is None:
+        return []
+    if isinstance(where, Filter):
+        return [where]
+    return list(where)
 
 
 def utc_from_ms(ms: int) -> datetime.datetime:

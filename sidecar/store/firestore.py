@@ -18,6 +18,19 @@ reconnects with backoff, consistent snapshots), which only the sync client has. 
 on its own thread; ``_Listening`` hops each snapshot onto the caller's loop with
 ``call_soon_threadsafe``. It decodes documents into Python values itself (``to_dict``), so those are
 normalised to what ``_get_value`` gives (plain UTC ``datetime``, reference names as strings).
+
+**Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BeginTransaction,
+BatchGetDocuments of the fence documents inside it, compare, then Commit with the transaction id
+(or Rollback and ``documents.Fenced``). Sound with Firestore's primitives because read-write
+transactions are serializable: a Commit that succeeds read each fence document at a version that no
+later committed write preceded, so a lease that changed hands before the Commit fails the
+transaction instead of letting the old owner write (``sidecar.store.fencing`` gives the whole
+argument). Production holds pessimistic read locks until the Commit, so the lease write waits; our
+emulator validates optimistically (``sidecar/emulators/firestore/transactions.py``: a Commit whose
+read document changed is ABORTED). ABORTED (contention, lock timeout) retries the whole transaction
+``_FENCE_ATTEMPTS`` times with backoff, passing ``retry_transaction`` so that it keeps its age, then
+raises ``documents.Unavailable``. Without fences a Commit is the plain Commit it always was (no
+transaction, no extra read).
 """
 
 from __future__ import annotations
@@ -41,10 +54,13 @@ from google.cloud.firestore_v1.document import DocumentReference
 from google.cloud.firestore_v1.types import (
     BatchGetDocumentsRequest,
     BatchWriteRequest,
+    BeginTransactionRequest,
     CommitRequest,
     Document,
+    RollbackRequest,
     RunQueryRequest,
     StructuredQuery,
+    TransactionOptions,
     Value,
     Write,
 )
@@ -53,6 +69,7 @@ from google.cloud.firestore_v1.watch import ChangeType, Watch
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
 from sidecar.store.document_store import DocumentStore, wall_clock_ms
+from sidecar.store.fencing import FenceSource
 
 _RETRYABLE: tuple[type[BaseException], ...] = (
     core_exceptions.ServiceUnavailable,
@@ -85,6 +102,19 @@ _READ_RETRY = retry_async.AsyncRetry(
 )
 """Reads are idempotent: a short retry absorbs blips. Writes are not retried here (the callers
 retry with their own backoff, and an ambiguous create is resolved by reading it back)."""
+
+
+_FENCE_ATTEMPTS = 5
+"""Tries of a fenced commit's transaction on ABORTED, as the official client's transactions (5)."""
+
+
+def _fence_backoff_seconds(attempt: int) -> float:
+    """Before a fenced commit's next try: capped exponential with jitter (api_core's generator)."""
+    sleeps = retry_async.exponential_sleep_generator(initial=0.05, maximum=1.0, multiplier=2.0)
+    delay = 0.0
+    for _ in range(attempt + 1):
+        delay = next(sleeps)
+    return delay
 
 
 def _translate(exc: BaseException, what: str) -> StoreError:
@@ -180,7 +210,10 @@ class FirestoreDocuments:
             raw.current_document.exists = write.exists
         return raw
 
-    async def commit(self, writes: Sequence[docs.Write]) -> None:
+    async def commit(self, writes: Sequence[docs.Write], fences: Sequence[docs.Fence] = ()) -> None:
+        if fences:
+            await self._fenced_commit(writes, fences)
+            return
         request = CommitRequest.pb()(database=self._database, writes=[self._write(w) for w in writes])
         try:
             await self.client._firestore_api.commit(
@@ -191,6 +224,68 @@ class FirestoreDocuments:
             )
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "commit") from exc
+
+    async def _fenced_commit(self, writes: Sequence[docs.Write], fences: Sequence[docs.Fence]) -> None:
+        """One read-write transaction: read the fences, compare, commit (module docstring)."""
+        paths = list(dict.fromkeys(fence.path for fence in fences))
+        retry_of = b""
+        aborted: BaseException | None = None
+        for attempt in range(_FENCE_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(_fence_backoff_seconds(attempt - 1))
+            transaction = await self._begin(retry_of)
+            try:
+                found = await self._batch_get(paths, transaction)
+                failed = docs.failed_fences(fences, found)
+                if failed:
+                    await self._rollback(transaction)
+                    raise docs.fenced_error("commit", failed)
+                request = CommitRequest.pb()(
+                    database=self._database, writes=[self._write(w) for w in writes], transaction=transaction
+                )
+                await self.client._firestore_api.commit(
+                    request=CommitRequest.wrap(request),
+                    metadata=self.client._rpc_metadata,
+                    retry=None,
+                    timeout=self._timeout,
+                )
+                return
+            except core_exceptions.Aborted as exc:
+                aborted, retry_of = exc, transaction  # the server ended it; the retry keeps its age
+            except (*_RETRYABLE, *_TERMINAL) as exc:
+                await self._rollback(transaction)
+                raise _translate(exc, "fenced commit") from exc
+        raise docs.Unavailable(f"fenced commit: transaction aborted {_FENCE_ATTEMPTS} times: {aborted}")
+
+    async def _begin(self, retry_of: bytes) -> bytes:
+        options = TransactionOptions.pb()()
+        options.read_write.SetInParent()
+        if retry_of:
+            options.read_write.retry_transaction = retry_of
+        request = BeginTransactionRequest.pb()(database=self._database, options=options)
+        try:
+            response = await self.client._firestore_api.begin_transaction(
+                request=BeginTransactionRequest.wrap(request),
+                metadata=self.client._rpc_metadata,
+                retry=_READ_RETRY,
+                timeout=self._timeout,
+            )
+        except (*_RETRYABLE, *_TERMINAL) as exc:
+            raise _translate(exc, "begin transaction") from exc
+        return bytes(response.transaction)
+
+    async def _rollback(self, transaction: bytes) -> None:
+        """Best effort: an abandoned transaction also ends by itself when it expires."""
+        request = RollbackRequest.pb()(database=self._database, transaction=transaction)
+        try:
+            await self.client._firestore_api.rollback(
+                request=RollbackRequest.wrap(request),
+                metadata=self.client._rpc_metadata,
+                retry=None,
+                timeout=self._timeout,
+            )
+        except (*_RETRYABLE, *_TERMINAL):
+            pass
 
     async def batch_write(self, writes: Sequence[docs.Write]) -> list[tuple[int, str]]:
         request = BatchWriteRequest.pb()(database=self._database, writes=[self._write(w) for w in writes])
@@ -208,32 +303,38 @@ class FirestoreDocuments:
     async def get_all(self, paths: Sequence[str]) -> dict[str, docs.Fields | None]:
         if not paths:
             return {}
-        names = {self._name(path): path for path in paths}
-        request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
-        found: dict[str, docs.Fields | None] = {}
         try:
-            stream = await self.client._firestore_api.batch_get_documents(
-                request=BatchGetDocumentsRequest.wrap(request),
-                metadata=self.client._rpc_metadata,
-                retry=_READ_RETRY,
-                timeout=self._timeout,
-            )
-            async for response in stream:
-                raw = response._pb
-                if raw.HasField("found"):
-                    fields = {name: _get_value(value) for name, value in raw.found.fields.items()}
-                    found[names[raw.found.name]] = fields
-                elif raw.missing:
-                    found[names[raw.missing]] = None
+            return await self._batch_get(paths, b"")
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "read") from exc
+
+    async def _batch_get(self, paths: Sequence[str], transaction: bytes) -> dict[str, docs.Fields | None]:
+        """BatchGetDocuments (inside ``transaction`` when given: not retried, its ABORTED ends it)."""
+        names = {self._name(path): path for path in paths}
+        request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
+        if transaction:
+            request.transaction = transaction
+        found: dict[str, docs.Fields | None] = {}
+        stream = await self.client._firestore_api.batch_get_documents(
+            request=BatchGetDocumentsRequest.wrap(request),
+            metadata=self.client._rpc_metadata,
+            retry=None if transaction else _READ_RETRY,
+            timeout=self._timeout,
+        )
+        async for response in stream:
+            raw = response._pb
+            if raw.HasField("found"):
+                fields = {name: _get_value(value) for name, value in raw.found.fields.items()}
+                found[names[raw.found.name]] = fields
+            elif raw.missing:
+                found[names[raw.missing]] = None
         return found
 
     async def query(
         self,
         parent: str,
         collection: str,
-        where: docs.Filter | None,
+        where: docs.Filter | Sequence[docs.Filter] | None,
         order_by: str | None,
         after: object | None,
         limit: int,
@@ -241,11 +342,17 @@ class FirestoreDocuments:
         query_type = StructuredQuery.pb()
         query = query_type()
         query.from_.add(collection_id=collection)
-        if where is not None:
-            condition = query.where.field_filter
-            condition.field.field_path = where.field
-            condition.op = query_type.FieldFilter.Operator.Value(_OPERATORS[where.op])
-            _set_value(condition.value, where.value)
+        filters = docs.filters_of(where)
+        if len(filters) > 1:
+            composite = query.where.composite_filter
+            composite.op = query_type.CompositeFilter.Operator.Value("AND")
+            targets = [composite.filters.add().field_filter for _ in filters]
+        else:
+            targets = [query.where.field_filter for _ in filters]
+        for condition, wanted in zip(targets, filters, strict=True):
+            condition.field.field_path = wanted.field
+            condition.op = query_type.FieldFilter.Operator.Value(_OPERATORS[wanted.op])
+            _set_value(condition.value, wanted.value)
         for path in ([order_by] if order_by else []) + ["__name__"]:
             query.order_by.add(direction=query_type.Direction.Value("ASCENDING")).field.field_path = path
         if after is not None:
@@ -332,6 +439,7 @@ class FirestoreStore(DocumentStore):
         cursor_write_interval_ms: int = 1_000,
         rpc_timeout_seconds: float = 30.0,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        fences: FenceSource | None = None,
     ) -> None:
         self.project = project
         self.documents = FirestoreDocuments(project, database, rpc_timeout_seconds)
@@ -341,6 +449,7 @@ class FirestoreStore(DocumentStore):
             root=root,
             cursor_write_interval_ms=cursor_write_interval_ms,
             clock_ms=clock_ms,
+            fences=fences,
         )
 
 

@@ -36,9 +36,17 @@ DONE_STATES = frozenset({ACKED, DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED})
 FINISH_STATES = frozenset({DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED})
 """What ``Store.mark_done`` accepts (acks go through ``commit_acks``)."""
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 """Written as ``v`` on every document; a document with a higher ``v`` (a newer sidecar wrote it)
-stops recovery rather than being misread. A document without ``v`` is read as version 1."""
+stops recovery rather than being misread. A document without ``v`` is read as version 1.
+Version 2 (shards): message, cursor and checkpoint documents carry ``shard``; pending messages
+written for another pod carry ``inbox``. Version 1 documents are refused at load (``require_v2``)."""
+
+SHARD = "shard"
+"""Field of message, cursor and checkpoint documents: the key's shard (``sidecar.shards.shard_of``)."""
+INBOX = "inbox"
+"""Field of a pending message written by a pod that does not own its shard: the shard, for the
+owner's Listen (``inbox == X and state == pending``). A tombstone (a replace) drops it."""
 
 MAX_DOCUMENT_BYTES = 1_048_576
 """Firestore's per-document limit (storage size, field names included)."""
@@ -82,6 +90,25 @@ def key_doc_id(key: str) -> str:
 def message_path(sub_path: str, doc_id: str) -> str:
     """Relative path of a message document under its subscription document."""
     return f"{sub_path}/messages/{doc_id}"
+
+
+def checkpoint_path(sub_path: str, shard: int) -> str:
+    """A shard's cursor checkpoint (``clean_ms``): one per shard, so that each owner writes its own."""
+    return f"{sub_path}/checkpoints/{shard:04d}"
+
+
+def require_v2(what: str, fields: dict[str, Any]) -> int:
+    """The document's shard; CorruptDocument naming it when it is of layout v1 (no ``shard``)."""
+    check_version(what, fields)
+    shard = fields.get(SHARD)
+    if shard is None and fields.get("v", 1) == 1:
+        raise CorruptDocument(
+            f"{what} is of layout v1 (written before shards): drain the subscription with the previous "
+            "sidecar version first (docs/store.md, upgrading to layout 2)"
+        )
+    if type(shard) is not int or shard < 0:
+        raise CorruptDocument(f"{what}: shard={shard!r} is not a non-negative integer")
+    return shard
 
 
 def chunk_doc_id(index: int) -> str:
@@ -143,8 +170,9 @@ def document_size(relative_path: str, fields: dict[str, Any]) -> int:
     return name + 32 + sum(len(field.encode()) + 1 + value_size(value) for field, value in fields.items())
 
 
-def message_fields(incoming: IncomingMessage, now_ms: int, chunks: int) -> dict[str, Any]:
-    """A pending message document. ``data`` is inline unless ``chunks`` > 0.
+def message_fields(incoming: IncomingMessage, now_ms: int, chunks: int, shard: int) -> dict[str, Any]:
+    """A pending message document. ``data`` is inline unless ``chunks`` > 0; ``inbox`` when it is
+    written for the shard's owner (``IncomingMessage.to_owner``).
 
     Pending documents never carry ``expire_at``: TTL must never delete an undelivered message.
     """
@@ -160,7 +188,10 @@ def message_fields(incoming: IncomingMessage, now_ms: int, chunks: int) -> dict[
         "state": PENDING,
         "chunks": chunks,
         "v": LAYOUT_VERSION,
+        SHARD: shard,
     }
+    if incoming.to_owner:
+        fields[INBOX] = shard
     if incoming.sequence is not None:
         fields["seq"] = incoming.sequence
     if incoming.timestamp_ms is not None:
@@ -229,7 +260,7 @@ def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:
 
 
 def tombstone_fields(
-    message: Message, state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None
+    message: Message, state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None, shard: int
 ) -> dict[str, Any]:
     """A finished message's whole document: identity stays (a late copy is still a duplicate),
     data and attributes go, ``expire_at`` lets a TTL policy delete it after the dedup TTL.
@@ -249,6 +280,7 @@ def tombstone_fields(
         "expire_at": expire_at(now_ms, ttl_ms),
         "chunks": 0,
         "v": LAYOUT_VERSION,
+        SHARD: shard,
     }
     if message.sequence is not None:
         fields["seq"] = message.sequence

@@ -10,7 +10,10 @@ tested and measured without Firestore, with the same observable rules as the Fir
   ``dedup_id``: a second copy is a DUPLICATE. Tombstones (acked, dead-lettered, dropped) keep their
   identity, so a late redelivery of a finished message is still a duplicate.
 - ``commit_acks`` tombstones each acked message and moves its key's cursor forward, never back.
-- ``load`` returns the cursors plus every message not yet finished, in the order they were stored.
+- ``load`` returns the cursors plus every message not yet finished, in the order they were stored
+  (with ``shards``: of those shards' keys, ``shard_of(key, shards)`` of the constructor's count).
+- ``release`` hides the cursors of those shards from ``cursor`` until a ``load`` takes them back,
+  as a pod that lost them would; the data, being the database here, stays. No fencing: one process.
 
 Test hooks are plain public attributes: ``commit_gate`` (an ``asyncio.Event`` that ``commit_acks``
 waits on before committing), ``fail_next(method, count)`` (the next ``count`` calls of ``method``
@@ -27,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
+from sidecar.shards import shard_of
 from sidecar.store.api import (
     IncomingMessage,
     PersistOutcome,
@@ -52,6 +56,8 @@ class _SubscriptionData:
     records: dict[str, _Record]
     """doc id -> record, in insertion (= stored) order."""
     cursors: dict[str, KeyCursor]
+    released: set[int] = field(default_factory=set)
+    """Shards this store was told it lost (``release``): their cursors are not its to hand out."""
     dead_lettered_at: dict[str, object] = field(default_factory=dict)
     """key -> position of its last in-order dead letter (what ``unblock`` passes)."""
 
@@ -65,7 +71,10 @@ def doc_id_for(key: str, dedup_id: str, sequence: int | None) -> str:
 class MemoryStore:
     """``Store`` kept in a dict: for delivery-layer tests and benchmarks only, NOT durable."""
 
-    def __init__(self) -> None:
+    def __init__(self, shards: int = 1) -> None:
+        shard_of("", shards)  # validates the count
+        self._shards = shards
+        """S, for ``load(shards=...)`` and ``release``."""
         self._subscriptions: dict[str, _SubscriptionData] = {}
         self.commit_gate: asyncio.Event | None = None
         """When set to an Event, ``commit_acks`` waits for it before committing (tests hold acks with it)."""
@@ -98,7 +107,12 @@ class MemoryStore:
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         data = self._subscriptions.get(subscription)
-        return None if data is None else data.cursors.get(key)
+        if data is None or shard_of(key, self._shards) in data.released:
+            return None
+        return data.cursors.get(key)
+
+    def release(self, subscription: str, shards: frozenset[int]) -> None:
+        self._data(subscription).released |= shards
 
     def _enter(self, method: str) -> None:
         self.calls[method] += 1
@@ -183,13 +197,20 @@ class MemoryStore:
         now_ms: int,
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | None = None,
+        shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         self._enter("load")
         data = self._data(subscription)
-        pending = tuple(r.message for r in data.records.values() if r.state == _PENDING)
+
+        def wanted(key: str) -> bool:
+            return shards is None or shard_of(key, self._shards) in shards
+
+        data.released -= set(range(self._shards)) if shards is None else shards
+        pending = tuple(r.message for r in data.records.values() if r.state == _PENDING and wanted(r.message.key))
+        cursors = tuple(cursor for key, cursor in data.cursors.items() if wanted(key))
         if progress is not None:
-            progress(len(pending) + len(data.cursors))
-        return EngineSnapshot(cursors=tuple(data.cursors.values()), pending=pending)
+            progress(len(pending) + len(cursors))
+        return EngineSnapshot(cursors=cursors, pending=pending)
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
         self._enter("read_payloads")

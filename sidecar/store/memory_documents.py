@@ -8,8 +8,12 @@ excluded, and TTL: ``expire(now_ms)`` deletes every document whose ``expire_at``
 as a TTL policy on ``expire_at`` does (production deletes within about a day; a test calls it when
 it wants the deletes to have happened).
 
+Fenced commits check their fences and apply their writes in one step (``docs.Fenced`` when a
+fence fails, nothing applied), and count one read per fence document, as Firestore's read-write
+transaction does.
+
 Faults for the simulation: ``before_write`` is called with ("commit" | "batch_write", writes) before
-anything applies and may raise (the write did not happen); ``after_write`` is called after the
+anything applies (fences included) and may raise (the write did not happen); ``after_write`` is called after the
 writes applied and may raise (the write happened, the caller never hears so: an ambiguous failure).
 Counters: ``reads``, ``writes``, ``deletes`` (TTL deletes included), as Firestore bills them.
 
@@ -49,10 +53,17 @@ class MemoryDocuments:
 
     # ---- Documents --------------------------------------------------------------------------
 
-    async def commit(self, writes: Sequence[docs.Write]) -> None:
+    async def commit(self, writes: Sequence[docs.Write], fences: Sequence[docs.Fence] = ()) -> None:
         self._check(writes)
         if self.before_write is not None:
             self.before_write("commit", writes)
+        if fences:
+            # One step with the writes below (nothing awaits in between): Firestore's read-write
+            # transaction, which reads each fence document once.
+            self.reads += len({fence.path for fence in fences})
+            failed = docs.failed_fences(fences, self.docs)
+            if failed:
+                raise docs.fenced_error("commit", failed)
         staged = dict(self.docs)
         for write in writes:
             code, message = self._apply(staged, write)
@@ -94,18 +105,19 @@ class MemoryDocuments:
         self,
         parent: str,
         collection: str,
-        where: docs.Filter | None,
+        where: docs.Filter | Sequence[docs.Filter] | None,
         order_by: str | None,
         after: object | None,
         limit: int,
     ) -> docs.Page:
         self._check_open()
+        filters = docs.filters_of(where)
         prefix = f"{parent}/{collection}/"
         rows: list[tuple[Any, str, docs.Fields]] = []
         for path, fields in self.docs.items():
             if not path.startswith(prefix) or "/" in path[len(prefix) :]:
                 continue
-            if where is not None and not _matches(fields, where):
+            if not all(_matches(fields, condition) for condition in filters):
                 continue
             if order_by is not None and order_by not in fields:
                 continue

@@ -12,11 +12,17 @@ Rules:
   create that applied although its RPC failed), and a redelivery of a pending message must reach
   the engine, which drops it if it already holds it. In sequence mode another fingerprint there is
   a CONFLICT.
+- **Intake for another pod** (``IncomingMessage.to_owner``): the document carries ``inbox`` (its
+  shard), which the shard owner's Listen watches. A copy that finds the document still *pending*
+  without ``inbox`` (its first persist ran while this pod owned the shard, or on another pod that
+  did) merges ``inbox`` into it (mask ``["inbox"]``, must exist) before the result is reported, so
+  the message reaches the owner whoever stored it first; if that merge fails the copy is FAILED.
 - A write RPC that failed is FAILED for its messages (Pub/Sub keeps them); a request refused as
   invalid is split in halves so that only the culprit fails; a permission or configuration error is
   FAILED too, never a dead letter: a misconfiguration must not dead-letter data.
 
-Cost: one write per new message; one read per duplicate; +2 per chunk of a chunked message.
+Cost: one write per new message; one read per duplicate (+1 write when it gains ``inbox``); +2 per
+chunk of a chunked message.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.engine.types import Message
+from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store import layout
 from sidecar.store.api import (
@@ -70,7 +77,7 @@ class Persister:
         first: dict[str, _Plan] = {}
         repeats: list[_Plan] = []
         for index, incoming in enumerate(batch):
-            plan = self._plan(sub_path, index, incoming, now_ms)
+            plan = self._plan(sub_path, index, incoming, now_ms, shard_of(incoming.key, config.shards))
             if plan.error is not None:
                 results[index] = PersistResult(PersistOutcome.FAILED, _message(plan, now_ms), plan.error)
             elif plan.doc_id in first:
@@ -84,6 +91,7 @@ class Persister:
             *(self._commit_chunked(sub_path, plan) for plan in plans if plan.chunks),
         )
         existing = await self._read_existing(sub_path, plans)
+        await self._address_to_owner(sub_path, plans, existing)
         chunk_data = await self._read_pending_chunks(sub_path, plans, existing)
         for plan in plans:
             results[plan.index] = _outcome(config, plan, existing, chunk_data, now_ms)
@@ -91,15 +99,15 @@ class Persister:
             results[plan.index] = _repeat_outcome(config, plan, first[plan.doc_id], existing, results, now_ms)
         return [result for result in results if result is not None]
 
-    def _plan(self, sub_path: str, index: int, incoming: IncomingMessage, now_ms: int) -> _Plan:
+    def _plan(self, sub_path: str, index: int, incoming: IncomingMessage, now_ms: int, shard: int) -> _Plan:
         doc_id = layout.message_doc_id(incoming.key, incoming.dedup_id, incoming.sequence)
         path = self._message_path(sub_path, doc_id)
-        fields = layout.message_fields(incoming, now_ms, chunks=0)
+        fields = layout.message_fields(incoming, now_ms, chunks=0, shard=shard)
         size = layout.document_size(path, fields)
         chunks: list[bytes] = []
         if size > layout.INLINE_LIMIT_BYTES:
             chunks = layout.split_data(incoming.data)
-            fields = layout.message_fields(incoming, now_ms, chunks=len(chunks))
+            fields = layout.message_fields(incoming, now_ms, chunks=len(chunks), shard=shard)
             size = layout.document_size(path, fields)
         plan = _Plan(index, incoming, doc_id, fields, chunks, size)
         if len(chunks) > layout.MAX_CHUNKS or size > layout.INLINE_LIMIT_BYTES:
@@ -173,6 +181,39 @@ class Persister:
                 plan.status, plan.error = "", StoreUnavailable(f"persist: reading a duplicate back: {exc}")
             return {}
         return {doc_id: found.get(path) for doc_id, path in paths.items()}
+
+    async def _address_to_owner(
+        self, sub_path: str, plans: list[_Plan], existing: dict[str, dict[str, Any] | None]
+    ) -> None:
+        """Merge ``inbox`` into pending documents a ``to_owner`` copy found without it (one BatchWrite)."""
+        wanted = []
+        for plan in plans:
+            stored = existing.get(plan.doc_id)
+            if (
+                plan.incoming.to_owner
+                and stored is not None
+                and stored.get("state") == layout.PENDING
+                and layout.INBOX not in stored
+            ):
+                wanted.append((plan, stored))
+        if not wanted:
+            return
+        inbox = layout.INBOX
+        writes = [
+            docs.Write(self._message_path(sub_path, plan.doc_id), {inbox: plan.fields[layout.SHARD]}, (inbox,), True)
+            for plan, _ in wanted
+        ]
+        try:
+            statuses = await self._documents.batch_write(writes)
+        except StoreError as exc:
+            statuses = [(14, str(exc))] * len(writes)
+        for (plan, stored), (code, message) in zip(wanted, statuses, strict=True):
+            if code == docs.OK:
+                stored[inbox] = plan.fields[layout.SHARD]
+            else:
+                # Not acked: the redelivery tries again (or finds a tombstone: nothing to hand over).
+                plan.status = ""
+                plan.error = StoreUnavailable(f"persist: addressing pending {plan.doc_id} to its owner: {message}")
 
     async def _read_pending_chunks(
         self, sub_path: str, plans: list[_Plan], existing: dict[str, dict[str, Any] | None]

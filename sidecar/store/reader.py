@@ -30,7 +30,12 @@ class Reader:
         self._documents = documents
 
     async def query_all(
-        self, sub_path: str, collection: str, where: docs.Filter | None, order_by: str | None, progress: Progress
+        self,
+        sub_path: str,
+        collection: str,
+        where: docs.Filter | Sequence[docs.Filter] | None,
+        order_by: str | None,
+        progress: Progress,
     ) -> list[tuple[str, dict[str, Any]]]:
         """Every (document id, fields) of a query, page by page; a failed page is retried a few times."""
         out: list[tuple[str, dict[str, Any]]] = []
@@ -43,33 +48,61 @@ class Reader:
                 return out
             after = page.after
 
-    async def load_pending(self, sub_path: str, budget: int | None, progress: Progress) -> list[Message]:
-        """Every pending message, decoded page by page so that only one page of payloads is ever in
-        memory beyond the budget; past ``budget`` payload bytes a message is kept stripped."""
+    async def query_shards(
+        self, sub_path: str, collection: str, shards: frozenset[int] | None, progress: Progress
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Every document of ``collection`` in ``shards`` (``where shard == X``, one query per
+        shard: equality filters need no composite index); None: the whole collection."""
+        if shards is None:
+            return await self.query_all(sub_path, collection, None, None, progress)
+        out: list[tuple[str, dict[str, Any]]] = []
+        for shard in sorted(shards):
+            out += await self.query_all(sub_path, collection, docs.Filter(layout.SHARD, "EQUAL", shard), None, progress)
+        return out
+
+    async def load_pending(
+        self, sub_path: str, budget: int | None, progress: Progress, shards: frozenset[int] | None = None
+    ) -> list[Message]:
+        """Every pending message (of ``shards``, None: all), decoded page by page so that only one
+        page of payloads is ever in memory beyond the budget; past ``budget`` payload bytes a
+        message is kept stripped."""
         pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
+        queries: list[list[docs.Filter]] = (
+            [[pending_filter]]
+            if shards is None
+            else [[docs.Filter(layout.SHARD, "EQUAL", shard), pending_filter] for shard in sorted(shards)]
+        )
         out: list[Message] = []
         kept = 0
-        after: object | None = None
-        while True:
-            page = await self._query_page(sub_path, "messages", pending_filter, None, after)
-            progress(len(page.documents))
-            keep: list[tuple[str, dict[str, Any]]] = []
-            for doc_id, fields in page.documents:
-                size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
-                size += 33 + 110 * (len(fields.get("attrs") or []) // 2)
-                kept += HELD_MESSAGE_OVERHEAD_BYTES  # every message's bookkeeping counts, stripped or not
-                if budget is None or kept + size <= budget:
-                    kept += size
-                    keep.append((doc_id, fields))
-                else:
-                    out.append(layout.stripped_message_from_fields(doc_id, fields))
-            out += await self._decode_pending(sub_path, keep)
-            if page.after is None:
-                return out
-            after = page.after
+        for where in queries:
+            after: object | None = None
+            while True:
+                page = await self._query_page(sub_path, "messages", where, None, after)
+                progress(len(page.documents))
+                keep: list[tuple[str, dict[str, Any]]] = []
+                for doc_id, fields in page.documents:
+                    layout.require_v2(f"message document {doc_id}", fields)
+                    size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
+                    size += 33 + 110 * (len(fields.get("attrs") or []) // 2)
+                    kept += HELD_MESSAGE_OVERHEAD_BYTES  # every message's bookkeeping counts, stripped or not
+                    if budget is None or kept + size <= budget:
+                        kept += size
+                        keep.append((doc_id, fields))
+                    else:
+                        out.append(layout.stripped_message_from_fields(doc_id, fields))
+                out += await self._decode_pending(sub_path, keep)
+                if page.after is None:
+                    break
+                after = page.after
+        return out
 
     async def _query_page(
-        self, sub_path: str, collection: str, where: docs.Filter | None, order_by: str | None, after: object | None
+        self,
+        sub_path: str,
+        collection: str,
+        where: docs.Filter | Sequence[docs.Filter] | None,
+        order_by: str | None,
+        after: object | None,
     ) -> docs.Page:
         for attempt in range(_PAGE_ATTEMPTS):
             try:

@@ -1,8 +1,9 @@
 """Recovery: the documents a subscription left in Firestore in, the engine's snapshot out. Pure.
 
-``DocumentStore.load`` reads four things and hands them here: the subscription document (mode and
-``clean_ms``, the cursor checkpoint), every cursor document, every pending message (chunks already
-reassembled), and every tombstone finished at or after ``since_ms(checkpoint)``. Nothing here
+``DocumentStore.load`` reads four things and hands them here: the subscription document (mode) and
+the checkpoint document of each shard loaded (``clean_ms``), every cursor document of those shards,
+every pending message of those shards (chunks already reassembled), and every tombstone finished at
+or after ``since_ms(checkpoints)`` (of any shard: ``recover`` keeps those of the shards loaded). Nothing here
 reads, writes or waits, so the rules below are exercised directly by the crash simulation
 (tests/store/test_crash_simulation.py) against any state a crash can leave.
 
@@ -27,7 +28,12 @@ Rules, and why each keeps the guarantees of DESIGN §1:
 5. **Bounded work.** One pass over what was read: recovery ends in time linear in the documents
    loaded, whatever the store holds (no read loops driven by what a document says).
 6. **Loud on foreign data.** A document of ours that is malformed or from a newer layout stops
-   recovery with ``CorruptDocument`` naming it; nothing is skipped silently.
+   recovery with ``CorruptDocument`` naming it; nothing is skipped silently. So does one of layout
+   v1 (no ``shard``): a sharded load could not see it.
+7. **One checkpoint per shard.** Each shard's ``clean_ms`` is written only by its owner, in the
+   fenced Commit that also writes that shard's cursors: a checkpoint shared by several pods would
+   let one pod's clean time cover another pod's unwritten cursor changes. A shard without a
+   checkpoint document is read from the beginning (``since`` 0).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.layout import ACKED, DONE_STATES, CorruptDocument, check_version
+from sidecar.store.layout import ACKED, DONE_STATES, LAYOUT_VERSION, CorruptDocument, check_version, require_v2
 
 CHECKPOINT_MARGIN_MS = 5_000
 """Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
@@ -60,27 +66,39 @@ class Recovered:
     since_ms: int
 
 
-def checkpoint_of(name: str, mode: Mode, path: str, fields: dict[str, Any] | None) -> int | None:
-    """The subscription document's checkpoint; raises ModeMismatch or CorruptDocument."""
-    if fields is None:
-        return None
-    check_version(f"subscription document {path}", fields)
+def check_subscription(name: str, mode: Mode, path: str, fields: dict[str, Any]) -> None:
+    """The subscription document is ours, of this layout and mode; raises ModeMismatch or CorruptDocument."""
+    what = f"subscription document {path}"
+    check_version(what, fields)
+    if fields.get("v", 1) < LAYOUT_VERSION:
+        raise CorruptDocument(
+            f"{what} is of layout v{fields.get('v', 1)} (written before shards): drain the subscription "
+            "with the previous sidecar version first (docs/store.md, upgrading to layout 2)"
+        )
     if fields.get("mode") != mode:
         raise ModeMismatch(
             f"subscription {name!r} is stored in mode {fields.get('mode')!r} at {path!r} but configured as "
             f"{mode!r}: use a new subscription name, or delete that document tree"
         )
-    clean = fields.get("clean_ms")
-    if clean is None:
+
+
+def checkpoint_of(path: str, fields: dict[str, Any] | None) -> int | None:
+    """A shard's checkpoint document's ``clean_ms`` (None: no document); raises CorruptDocument."""
+    if fields is None:
         return None
+    require_v2(f"checkpoint document {path}", fields)
+    clean = fields.get("clean_ms")
     if type(clean) is not int:
-        raise CorruptDocument(f"subscription document {path}: clean_ms={clean!r} is not an integer")
+        raise CorruptDocument(f"checkpoint document {path}: clean_ms={clean!r} is not an integer")
     return clean
 
 
-def since_ms(checkpoint: int | None) -> int:
-    """Tombstones finished at or after this time must be folded in."""
-    return 0 if checkpoint is None else checkpoint - CHECKPOINT_MARGIN_MS
+def since_ms(checkpoints: Iterable[int | None]) -> int:
+    """Tombstones finished at or after this time must be folded in (0: a shard has no checkpoint)."""
+    known = list(checkpoints)
+    if not known or any(clean is None for clean in known):
+        return 0
+    return min(clean for clean in known if clean is not None) - CHECKPOINT_MARGIN_MS
 
 
 def recover(
@@ -89,12 +107,15 @@ def recover(
     recent_tombstones: Iterable[tuple[str, dict[str, Any]]],
     pending: list[Message],
     since: int,
+    shards: frozenset[int] | None = None,
 ) -> Recovered:
-    """Fold cursor documents and recent tombstones into per-key states; the snapshot to restore."""
+    """Fold cursor documents and recent tombstones into per-key states; the snapshot to restore.
+    ``shards``: the shards loaded (tombstones of other shards are left out); None: all."""
     mode = rules.mode
     states: dict[str, KeyState] = {}
     stored: dict[str, dict[str, Any]] = {}
     for doc_id, fields in cursor_docs:
+        require_v2(f"cursor document keys/{doc_id}", fields)
         state = _decode_cursor(doc_id, fields)
         if state.key in states:
             raise CorruptDocument(f"cursor document keys/{doc_id}: a second cursor for key {state.key[:100]!r}")
@@ -103,10 +124,12 @@ def recover(
         states[state.key] = state
         stored[state.key] = cursor_fields(state)
     # In Commit order: done_ms, then the cursor each ack carried, makes the fold deterministic.
-    tombstones = sorted(
-        (_tombstone(doc_id, fields, mode) for doc_id, fields in recent_tombstones),
-        key=lambda t: (t[1], t[0]),
-    )
+    mine = [
+        (doc_id, fields)
+        for doc_id, fields in recent_tombstones
+        if shards is None or require_v2(f"message document {doc_id}", fields) in shards
+    ]
+    tombstones = sorted((_tombstone(doc_id, fields, mode) for doc_id, fields in mine), key=lambda t: (t[1], t[0]))
     for _doc_id, _done_ms, key, state_name, position, cursor in tombstones:
         if key is None:
             continue
@@ -138,7 +161,7 @@ def _tombstone(
 ) -> tuple[str, int, str | None, str, Any, Any]:
     """(doc id, done_ms, key, state, position, cursor) of a finished message document."""
     what = f"message document {doc_id}"
-    check_version(what, fields)
+    require_v2(what, fields)
     state = fields.get("state")
     done_ms = fields.get("done_ms")
     key = fields.get("key")

@@ -39,11 +39,15 @@ class TimedStore:
         now_ms: int,
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | None = None,
+        shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
-        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes)
+        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes, shards)
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         return self._inner.cursor(subscription, key)
+
+    def release(self, subscription: str, shards: frozenset[int]) -> None:
+        self._inner.release(subscription, shards)
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
         return await self._inner.read_payloads(subscription, messages, now_ms)

@@ -19,6 +19,22 @@ One ``Simulation`` plays everything around the store, step by step, deterministi
 A crash throws away the engine, the store object and every queued action, keeps the documents, and
 recovers with ``load`` + ``Engine.restore``, exactly as a restarted process does.
 
+**Several owners** (``SimConfig.pods``, ``SimConfig.shards``): pods ``p0``, ``p1``, ... share the
+documents; each key's shard has a lease document (``owner``, ``epoch``) that the pods' stores fence
+their advancing writes with (``DocumentStore(fences=...)``, from what the pod *believes* it holds).
+Each pod runs one engine per shard it owns (a handover is a recovery of that shard). Operations act
+on the pod in focus (``focus``). ``lose_lease`` gives a shard to another pod (epoch + 1) behind the
+old owner's back: the old pod keeps running with its belief, like a paused pod that wakes, and
+learns of the loss only when a fenced write fails (``ShardLost``: it drops the shard's engine and
+everything it queued for it). Its *deliveries* stop at once: the runtime stops delivering a shard
+when its lease's safety margin runs out, which by the lease timing comes before another pod can
+take the lease; the store's fencing is what must stop its *writes*. ``take_over`` has the new owner
+load the shard (``load(shards=...)``) and deliver from there. Intake: any pod persists any message;
+one that does not own the key's shard writes it ``to_owner`` (``inbox``), and the owner's ``listen``
+(Firestore Listen on ``inbox == shard``) hands it over. The after-write hook checks that no write
+advancing a key (tombstone, cursor, checkpoint) applies unless its writer holds the shard's lease at
+the epoch it believes.
+
 Checked on every delivery (``_check_delivery``) and at the end (``check_end`` after ``drain``):
 G1 every valid message is confirmed or dead-lettered with a reason (or held durably behind a key
 blocked by its own in-order dead letter); G2 per key nothing is delivered before every earlier
@@ -37,14 +53,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sidecar.engine import DeadLetter, Deliver, DropDuplicate, Engine, EngineConfig, Hold, UnknownDelivery
-from sidecar.engine.types import AckIntent, Message
+from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.shards import shard_of
 from sidecar.store import documents as docs
+from sidecar.store import layout
 from sidecar.store.api import (
     DEAD_LETTERED,
     DEAD_LETTERED_ASIDE,
     DROPPED,
     IncomingMessage,
     PersistOutcome,
+    ShardLost,
     StoreError,
     SubscriptionStoreConfig,
 )
@@ -73,7 +92,7 @@ class Published:
     def identity(self) -> Identity:
         return (self.key, self.seq)
 
-    def incoming(self) -> IncomingMessage:
+    def incoming(self, to_owner: bool = False) -> IncomingMessage:
         data = f"{self.key}/{self.seq}/{self.variant}".encode()
         return IncomingMessage(
             key=self.key,
@@ -85,6 +104,7 @@ class Published:
             publish_time_ms=1_000,
             fingerprint=hashlib.sha256(data).digest(),
             sequence=self.seq,
+            to_owner=to_owner,
         )
 
 
@@ -110,6 +130,9 @@ class SimConfig:
     """Payload bytes of held messages kept in memory (the runtime's budget); past it they are stripped."""
     max_idle_keys: int = 10_000
     """Idle keys the engine keeps; past it they are forgotten and rebuilt from the store's cursor."""
+    pods: int = 1
+    shards: int = 1
+    """S: with 3 keys and S = 2 or 3, keys share shards or have their own."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -129,7 +152,10 @@ class SimConfig:
 
     def store_config(self) -> SubscriptionStoreConfig:
         return SubscriptionStoreConfig(
-            mode="sequence", dedup_ttl_ms=self.dedup_ttl_ms, on_dead_letter=self.on_dead_letter  # type: ignore[arg-type]
+            mode="sequence",
+            dedup_ttl_ms=self.dedup_ttl_ms,
+            on_dead_letter=self.on_dead_letter,  # type: ignore[arg-type]
+            shards=self.shards,
         )
 
 
@@ -138,7 +164,10 @@ class _Life:
     """What one process holds in memory: gone at a crash."""
 
     store: DocumentStore
-    engine: Engine
+    engines: dict[int, Engine]
+    """One per shard this pod delivers (loaded when it took the shard)."""
+    believed: dict[int, int]
+    """Shard -> the lease epoch this pod thinks it holds (its fences)."""
     to_ack: list[int] = field(default_factory=list)
     """Pub/Sub copies persisted, not yet acked (the ack is its own step)."""
     outstanding: dict[str, Deliver] = field(default_factory=dict)
@@ -150,6 +179,11 @@ class _Life:
     accepted: set[Identity] = field(default_factory=set)
     """Identities whose app ack the engine accepted in this life."""
     held_bytes: int = 0
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of the lowest shard held (the only one with one shard): for scripted runs."""
+        return self.engines[min(self.engines)]
 
 
 @dataclass
@@ -182,7 +216,16 @@ class Simulation:
     _writes_until_crash: int | None = None
     _crash_after_apply: bool = False
     _lose_next_answer: bool = False
-    life: _Life = field(init=False)
+    lives: list[_Life] = field(init=False)
+    active: int = 0
+    """The pod in focus: the operations act on it."""
+    handovers: int = 0
+    fenced_writes: int = 0
+    """Writes refused because the writer's lease had changed (``ShardLost``)."""
+
+    @property
+    def life(self) -> _Life:
+        return self.lives[self.active]
 
     def __post_init__(self) -> None:
         self.documents.before_write = self._before_write
@@ -197,7 +240,13 @@ class Simulation:
                     self.publish(Published(key, seq, variant=1))
         for i in range(self.config.malformed):
             self.publish(Published("", -i - 1, malformed=True))
-        self.life = self._start()
+        for shard in range(self.config.shards):  # the lease manager's documents: p0 holds every shard
+            self.documents.docs[_lease_path(shard)] = {"owner": "p0", "epoch": 1}
+        self.lives = []
+        for pod in range(self.config.pods):
+            self.active = pod
+            self.lives.append(self._start())
+        self.active = 0
 
     # ---- plumbing ---------------------------------------------------------------------------------
 
@@ -205,23 +254,96 @@ class Simulation:
         return self.loop.run_until_complete(coroutine)
 
     def _start(self) -> _Life:
+        """The pod in focus starts: it loads the shards whose lease names it (all of them: load all)."""
+        pod = self.active
         store = DocumentStore(
             self.documents,
             {SUB: self.config.store_config()},
             clock_ms=lambda: self.now_ms,
             background_flush=False,
             tombstones_per_commit=self.config.tombstones_per_commit,
+            fences=lambda subscription, shard: self._fence(pod, shard),
         )
-        snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes))
-        engine = Engine.restore(
+        held = {shard: lease["epoch"] for shard, lease in self._leases().items() if lease["owner"] == f"p{pod}"}
+        life = _Life(store, {}, dict(held))
+        if held:
+            shards = None if len(held) == self.config.shards else frozenset(held)
+            snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes, shards))
+            for shard in held:
+                self._restore_engine(life, shard, snapshot)
+        return life
+
+    def _restore_engine(self, life: _Life, shard: int, snapshot: EngineSnapshot) -> None:
+        """An engine for ``shard`` from the part of ``snapshot`` that is its."""
+        mine = EngineSnapshot(
+            cursors=tuple(c for c in snapshot.cursors if self._shard(c.key) == shard),
+            pending=tuple(m for m in snapshot.pending if self._shard(m.key) == shard),
+        )
+        store = life.store
+        life.engines[shard] = Engine.restore(
             self.config.engine_config(),
-            snapshot,
+            mine,
             self.now_ms,
-            id_prefix=f"life{self.crashes}-",
+            id_prefix=f"p{self.active}-life{self.crashes}-h{self.handovers}-s{shard}-",
             cursor_source=lambda key: store.cursor(SUB, key),
         )
-        held = sum(len(m.payload.data) for m in snapshot.pending if m.payload is not None)
-        return _Life(store, engine, held_bytes=held)
+        life.held_bytes += sum(len(m.payload.data) for m in mine.pending if m.payload is not None)
+
+    # ---- leases ------------------------------------------------------------------------------------
+
+    def _shard(self, key: str) -> int:
+        return shard_of(key, self.config.shards)
+
+    def _leases(self) -> dict[int, dict[str, Any]]:
+        return {shard: self.documents.docs[_lease_path(shard)] for shard in range(self.config.shards)}
+
+    def _fence(self, pod: int, shard: int) -> docs.Fence:
+        """The pod's FenceSource: from its belief, never from the truth."""
+        epoch = self.lives[pod].believed.get(shard)
+        if epoch is None:
+            raise ShardLost(SUB, {shard})
+        return docs.Fence(_lease_path(shard), {"owner": f"p{pod}", "epoch": epoch})
+
+    def owns(self, shard: int) -> bool:
+        """The pod in focus may deliver ``shard``: its lease (the truth) names it at the epoch it
+        believes, and it has loaded the shard (the runtime's lease check, margin included)."""
+        life = self.life
+        lease = self._leases()[shard]
+        return shard in life.engines and lease == {"owner": f"p{self.active}", "epoch": life.believed.get(shard)}
+
+    def _engine_of(self, key: str) -> Engine | None:
+        return self.life.engines.get(self._shard(key))
+
+    def _lose(self, shards: frozenset[int]) -> None:
+        """The pod in focus learned it lost ``shards``: it stops delivering them and drops what it
+        queued for them (its app's acks are never confirmed: the new owner delivers them again)."""
+        life = self.life
+        for shard in shards:
+            life.engines.pop(shard, None)
+            life.believed.pop(shard, None)
+        life.store.release(SUB, shards)
+
+        def kept(message: Message) -> bool:
+            return self._shard(message.key) not in shards
+
+        life.outstanding = {d: x for d, x in life.outstanding.items() if kept(x.message)}
+        life.acks = [a for a in life.acks if kept(a.message)]
+        life.dead_letters = [a for a in life.dead_letters if kept(a.message)]
+        life.drops = [m for m in life.drops if kept(m)]
+
+    def _check_fenced_write(self, writes: Sequence[docs.Write]) -> None:
+        """No write that advances a key applies unless its writer holds the shard's lease as it believes."""
+        for write in writes:
+            fields = write.fields
+            if fields is None or not ("/keys/" in write.path or "/checkpoints/" in write.path or (
+                "/messages/" in write.path and fields.get("state") in layout.DONE_STATES
+            )):
+                continue
+            shard = fields["shard"]
+            lease = self._leases()[shard]
+            assert lease == {"owner": f"p{self.active}", "epoch": self.life.believed.get(shard)}, (
+                f"fencing: p{self.active} advanced shard {shard} ({write.path}) after its lease changed to {lease}"
+            )
 
     def _before_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
         if self._writes_until_crash is None:
@@ -235,6 +357,7 @@ class Simulation:
             raise Crash(f"before {kind}")
 
     def _after_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
+        self._check_fenced_write(writes)
         if self._writes_until_crash == 0 and self._crash_after_apply:
             self._writes_until_crash = None
             self.crash_points += 1
@@ -253,7 +376,7 @@ class Simulation:
         self.crashes += 1
         self._writes_until_crash = None
         self._lose_next_answer = False
-        self.life = self._start()
+        self.lives[self.active] = self._start()
 
     def run(self, operations: Sequence[tuple[str, int]]) -> None:
         """Play ``operations``, settle, check G1 and liveness, and close: one whole run."""
@@ -285,6 +408,40 @@ class Simulation:
     def op_crash(self, arg: int) -> None:
         raise Crash("kill -9")
 
+    def op_focus(self, arg: int) -> None:
+        """The next operations act on another pod."""
+        self.active = arg % self.config.pods
+
+    def op_lose_lease(self, arg: int) -> None:
+        """Another pod (or this one, re-acquiring) takes a shard: epoch + 1. The old owner is not told."""
+        shard = arg % self.config.shards
+        lease = self._leases()[shard]
+        owner = (int(lease["owner"][1:]) + 1 + arg // self.config.shards) % self.config.pods
+        self.documents.docs[_lease_path(shard)] = {"owner": f"p{owner}", "epoch": lease["epoch"] + 1}
+
+    def op_take_over(self, arg: int) -> None:
+        """The lease's owner loads the shard (``load(shards=...)``) and delivers from there."""
+        shard = arg % self.config.shards
+        lease = self._leases()[shard]
+        self.active = int(lease["owner"][1:])
+        life = self.life
+        if shard in life.engines and life.believed.get(shard) == lease["epoch"]:
+            return
+        self._lose(frozenset({shard}))  # whatever it held of an earlier epoch is stale
+        life.believed[shard] = lease["epoch"]
+        self.handovers += 1
+        snapshot = self._run(life.store.load(SUB, self.now_ms, None, self.config.max_held_bytes, frozenset({shard})))
+        self._restore_engine(life, shard, snapshot)
+
+    def op_listen(self, arg: int) -> None:
+        """The owner's Listen on ``inbox == shard and state == pending`` hands over other pods' intake."""
+        for path, fields in sorted(self.documents.docs.items()):
+            if "/messages/" not in path or "/chunks/" in path or fields.get("state") != layout.PENDING:
+                continue
+            shard = fields.get(layout.INBOX)
+            if shard is not None and self.owns(shard):
+                self._on_stored(layout.message_from_fields(path.rpartition("/")[2], fields))
+
     def op_ingest(self, arg: int) -> None:
         """Pub/Sub delivers up to 3 outstanding copies (one persist call), any of them."""
         if not self.pubsub:
@@ -304,20 +461,24 @@ class Simulation:
         if not valid:
             return
         life = self.life
+        # Intake anywhere: a copy of a shard this pod does not deliver goes to its owner's inbox.
+        mine = {n: self.owns(self._shard(self.pubsub[n].key)) for n in valid}
+        batch = [self.pubsub[n].incoming(to_owner=not mine[n]) for n in valid]
         try:
-            results = self._run(life.store.persist(SUB, [self.pubsub[n].incoming() for n in valid], self.now_ms))
+            results = self._run(life.store.persist(SUB, batch, self.now_ms))
         except StoreError:
             return  # nothing acked: Pub/Sub redelivers
         for number, result in zip(valid, results, strict=True):
             if result.outcome is PersistOutcome.STORED:
-                self._on_stored(result.message)
+                if mine[number]:
+                    self._on_stored(result.message)
                 life.to_ack.append(number)
             elif result.outcome is PersistOutcome.DUPLICATE:
-                if result.pending is not None:
+                if result.pending is not None and mine[number]:
                     self._on_stored(result.pending)
                 life.to_ack.append(number)
             elif result.outcome is PersistOutcome.CONFLICT:
-                if result.pending is not None:
+                if result.pending is not None and mine[number]:
                     self._on_stored(result.pending)
                 self.dead_letter_topic.append((self.pubsub[number], "conflict"))
                 life.to_ack.append(number)
@@ -350,8 +511,11 @@ class Simulation:
         if delivery is None:
             return
         del self.life.outstanding[delivery.delivery_id]
+        engine = self._engine_of(delivery.message.key)
+        if engine is None:
+            return  # the pod dropped the shard: the ack goes nowhere
         try:
-            intent = self.life.engine.ack(delivery.consumer, delivery.delivery_id, self.now_ms)
+            intent = engine.ack(delivery.consumer, delivery.delivery_id, self.now_ms)
         except UnknownDelivery:
             return  # expired or the stream closed meanwhile
         self.life.acks.append(intent)
@@ -362,17 +526,19 @@ class Simulation:
         if delivery is None:
             return
         del self.life.outstanding[delivery.delivery_id]
+        engine = self._engine_of(delivery.message.key)
+        if engine is None:
+            return
         try:
-            actions = self.life.engine.nack(
-                delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=arg % 5 == 0
-            )
+            actions = engine.nack(delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=arg % 5 == 0)
         except UnknownDelivery:
             return
         self._apply(actions)
 
     def op_close_stream(self, arg: int) -> None:
         consumer = f"c{arg % 2}"
-        self.life.engine.consumer_closed(consumer, self.now_ms)
+        for engine in self.life.engines.values():
+            engine.consumer_closed(consumer, self.now_ms)
         for delivery_id in [d for d, x in self.life.outstanding.items() if x.consumer == consumer]:
             del self.life.outstanding[delivery_id]
 
@@ -381,12 +547,20 @@ class Simulation:
         if not life.acks:
             return
         batch, life.acks = life.acks, []
+        lost: frozenset[int] = frozenset()
         try:
             self._run(life.store.commit_acks(SUB, batch, self.now_ms))
+        except ShardLost as exc:
+            lost = exc.shards  # the rest of the batch is durable
         except StoreError:
             life.acks = batch + life.acks  # the runtime retries
             return
-        life.engine.ack_durable([intent.delivery_id for intent in batch], self.now_ms)
+        if lost:
+            self.fenced_writes += 1
+            self._lose(lost)
+            batch = [intent for intent in batch if self._shard(intent.message.key) not in lost]
+        for shard, engine in life.engines.items():
+            engine.ack_durable([i.delivery_id for i in batch if self._shard(i.message.key) == shard], self.now_ms)
         # Confirmed to the app: never to be delivered again (G3).
         self.confirmed.update(_identity(intent.message) for intent in batch)
         self.resolved_contents.update(_content(intent.message) for intent in batch)
@@ -404,17 +578,24 @@ class Simulation:
         state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
         try:
             self._run(life.store.mark_done(SUB, [message], state, self.now_ms))
+        except ShardLost as exc:
+            self.fenced_writes += 1
+            self._lose(exc.shards)  # the new owner delivers it again (the topic has a copy: allowed)
+            return
         except StoreError:
             return  # retried later; the topic may get it twice (allowed)
         life.dead_letters.remove(action)
         if action.in_order:
             self.in_order_dead_letters.add(_identity(message))
-        self._apply(life.engine.dead_letter_done(message, self.now_ms))
+        engine = self._engine_of(message.key)
+        assert engine is not None
+        self._apply(engine.dead_letter_done(message, self.now_ms))
 
     def op_unblock(self, arg: int) -> None:
         """An operator skips the dead letter a blocked key stopped at: durable first, then the engine."""
-        life = self.life
-        blocked = sorted(f"k{i}" for i in range(self.config.keys) if life.engine.is_blocked(f"k{i}"))
+        blocked = sorted(
+            key for key in (f"k{i}" for i in range(self.config.keys)) if self._is_blocked(key)
+        )
         if not blocked:
             return
         self._unblock(blocked[arg % len(blocked)])
@@ -422,7 +603,9 @@ class Simulation:
     def op_retry_unblocks(self, arg: int) -> None:
         """The operator runs again each unblock that answered UNAVAILABLE (it may have applied)."""
         for key in sorted(self.unblock_retries):
-            if self.life.engine.is_blocked(key):
+            if not self.owns(self._shard(key)):
+                continue  # the operator's command reaches the shard's owner
+            if self._is_blocked(key):
                 self._unblock(key)
             else:
                 self.unblock_retries.discard(key)  # a restart found it recorded
@@ -431,13 +614,20 @@ class Simulation:
         life = self.life
         try:
             position = self._run(life.store.unblock(SUB, key, self.now_ms))
+        except ShardLost as exc:
+            self.fenced_writes += 1
+            self._lose(exc.shards)  # the operator asks the new owner (drain retries it there)
+            self.unblock_retries.add(key)
+            return
         except StoreError:
             self.unblock_retries.add(key)  # UNAVAILABLE: the operator retries
             return
         self.unblock_retries.discard(key)
         if isinstance(position, int):
             self.confirmed_unblocks.add((key, position))
-        _message, actions = life.engine.unblock(key, position, self.now_ms)
+        engine = self._engine_of(key)
+        assert engine is not None
+        _message, actions = engine.unblock(key, position, self.now_ms)
         self._apply(actions)
 
     def op_drops(self, arg: int) -> None:
@@ -447,34 +637,46 @@ class Simulation:
         batch, life.drops = life.drops, []
         try:
             self._run(life.store.mark_done(SUB, batch, DROPPED, self.now_ms))
+        except ShardLost as exc:
+            self.fenced_writes += 1
+            self._lose(exc.shards)
         except StoreError:
             life.drops = batch + life.drops
 
     def op_flush(self, arg: int) -> None:
         try:
             self._run(self.life.store.flush(SUB))
+        except ShardLost as exc:
+            self.fenced_writes += 1
+            self._lose(exc.shards)
         except StoreError:
             pass
 
     def op_tick(self, arg: int) -> None:
         self.now_ms += [10, 200, 1_100, 6_000][arg % 4]
-        self._apply(self.life.engine.tick(self.now_ms))
+        self._tick_all()
 
     def op_expire(self, arg: int) -> None:
         """Time passes beyond the dedup TTL and the TTL policy deletes expired tombstones. So much
         time also means the runtime's retries (ack commits, dead letters, drops) and the store's
         background flush have run meanwhile."""
-        for _ in range(5):  # retried until they succeed, as the runtime does long before a TTL runs out
-            for op in ("commit_acks", "drops", "dead_letter", "retry_unblocks"):
-                getattr(self, f"op_{op}")(arg)
+        focus = self.active
+        for pod in range(self.config.pods):  # every pod's runtime and store
+            self.active = pod
+            for _ in range(5):  # retried until they succeed, as the runtime does long before a TTL runs out
+                for op in ("commit_acks", "drops", "dead_letter", "retry_unblocks"):
+                    getattr(self, f"op_{op}")(arg)
         self.now_ms += 1_100  # the background flush runs a cursor interval after the last commit
-        self.op_flush(arg)
+        for pod in range(self.config.pods):
+            self.active = pod
+            self.op_flush(arg)
+        self.active = focus
         self.now_ms += self.config.dedup_ttl_ms + 1
         self.expired_tombstones |= self.finished_documents()
         self.expired_contents |= self.finished_contents()
         self.expired_in_order_dead_letters |= self._documents_in((DEAD_LETTERED,))
         self.documents.expire(self.now_ms)
-        self._apply(self.life.engine.tick(self.now_ms))
+        self._tick_all()
 
     OPS = (
         "ingest",
@@ -500,7 +702,26 @@ class Simulation:
         "arm_crash",
         "lose_answer",
         "unblock",
+        "focus",
+        "lose_lease",
+        "take_over",
+        "listen",
     )
+
+    def _tick_all(self) -> None:
+        """Time passes for every pod's engines (their own queued actions)."""
+        focus = self.active
+        try:
+            for pod in range(self.config.pods):
+                self.active = pod
+                for engine in list(self.life.engines.values()):
+                    self._apply(engine.tick(self.now_ms))
+        finally:
+            self.active = focus
+
+    def _is_blocked(self, key: str) -> bool:
+        engine = self._engine_of(key)
+        return engine is not None and engine.is_blocked(key)
 
     # ---- scripted steps, for the explicit examples ----------------------------------------------------
 
@@ -516,14 +737,22 @@ class Simulation:
     def take(self, consumer: str = "c0", count: int = 10) -> list[Deliver]:
         """The runtime's take: hand out, then read stripped payloads back (a store read that may fail)."""
         life = self.life
-        deliveries = life.engine.take(consumer, count, self.now_ms)
+        # Only the shards it owns now: the runtime stops delivering a shard once its lease's margin
+        # runs out, before another pod can take it.
+        deliveries = [
+            delivery
+            for shard, engine in sorted(life.engines.items())
+            if self.owns(shard)
+            for delivery in engine.take(consumer, count, self.now_ms)
+        ]
         stripped = [d.message for d in deliveries if d.message.payload is not None and d.message.payload.stripped]
         loaded: dict[str, Message] = {}
         if stripped:
             try:
                 loaded = {m.payload.ref: m for m in self._run(life.store.read_payloads(SUB, stripped, self.now_ms))}
             except StoreError:
-                life.engine.consumer_closed(consumer, self.now_ms)  # given back; the app never saw them
+                for engine in life.engines.values():
+                    engine.consumer_closed(consumer, self.now_ms)  # given back; the app never saw them
                 return []
         out = []
         for delivery in deliveries:
@@ -548,7 +777,9 @@ class Simulation:
     def nack(self, key: str, seq: int, *, dead_letter: bool = False) -> None:
         delivery = self.delivery_of(key, seq)
         del self.life.outstanding[delivery.delivery_id]
-        actions = self.life.engine.nack(delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=dead_letter)
+        engine = self._engine_of(key)
+        assert engine is not None
+        actions = engine.nack(delivery.consumer, delivery.delivery_id, self.now_ms, dead_letter=dead_letter)
         self._apply(actions)
 
     def dead_letter_all(self) -> None:
@@ -568,12 +799,14 @@ class Simulation:
 
     def _on_stored(self, message: Message) -> None:
         life = self.life
-        actions = life.engine.on_stored(message, self.now_ms)
+        engine = self._engine_of(message.key)
+        assert engine is not None, f"{message.key} handed to p{self.active}, which does not deliver its shard"
+        actions = engine.on_stored(message, self.now_ms)
         budget = self.config.max_held_bytes
         if message.payload is not None and (not actions or isinstance(actions[0], Hold)):
             size = len(message.payload.data)
             if actions and budget is not None and life.held_bytes + size > budget:
-                if life.engine.strip_payload(message):
+                if engine.strip_payload(message):
                     size = 0
             life.held_bytes += size
         self._apply(actions)
@@ -603,10 +836,12 @@ class Simulation:
             self.skipped.update((message.key, seq) for seq in range(skipped.first, skipped.last + 1))
         if delivery.late:
             return  # flagged: the app is told it is out of order
+        engine = self._engine_of(message.key)
+        assert engine is not None
         in_flight = {
             _identity(d.message)
             for d in self.life.outstanding.values()
-            if d.message.key == message.key and self.life.engine.is_in_flight(d.delivery_id)
+            if d.message.key == message.key and engine.is_in_flight(d.delivery_id)
         }
         acking = {_identity(a.message) for a in self.life.acks if a.message.key == message.key}
         assert len(in_flight) + len(acking) < self.config.max_in_flight, (
@@ -628,13 +863,23 @@ class Simulation:
             assert resolved, f"G2: {ident} delivered before {before} was acked, dead-lettered or skipped"
 
     def drain(self, rounds: int = 60) -> None:
-        """No more faults: let everything settle (the app acks all it gets, time passes)."""
+        """No more faults: let everything settle (the app acks all it gets, time passes). Every pod
+        first learns the truth about its leases (its margin ran out) and every lease owner loads
+        its shards."""
         self._writes_until_crash = None
         self._lose_next_answer = False
+        for pod in range(self.config.pods):
+            self.active = pod
+            self._lose(frozenset(shard for shard in list(self.life.engines) if not self.owns(shard)))
+        for shard in range(self.config.shards):
+            self.step("take_over", shard)
         for _ in range(rounds):
-            for op in ("ingest", "ingest", "ingest", "pubsub_ack", "take", "take", "app_ack", "app_ack",
-                       "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush", "retry_unblocks"):
-                self.step(op, len(self.pubsub) + len(self.life.outstanding))
+            for pod in range(self.config.pods):
+                self.active = pod
+                for op in ("ingest", "ingest", "ingest", "pubsub_ack", "listen", "take", "take", "app_ack",
+                           "app_ack", "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush",
+                           "retry_unblocks"):
+                    self.step(op, len(self.pubsub) + len(self.life.outstanding))
             self.step("tick", 2)
             self.step("tick", 3)
 
@@ -667,7 +912,12 @@ class Simulation:
                 f"G1: {ident} neither confirmed nor dead-lettered (key blocked: {message.key in blocked}, "
                 f"pending: {ident in pending})"
             )
-        _, keys = self.life.engine.status(self.now_ms, max_keys=1_000)
+        keys = [
+            key_status
+            for life in self.lives
+            for engine in life.engines.values()
+            for key_status in engine.status(self.now_ms, max_keys=1_000)[1]
+        ]
         for key_status in keys:
             if key_status.state == "blocked_dead_letter":
                 assert key_status.key in blocked, f"liveness: {key_status.key} blocked without a dead letter"
@@ -696,6 +946,10 @@ class Simulation:
         }
         return self.confirmed_unblocks | recorded
 
+    def snapshot_of_messages(self) -> dict[str, dict[str, Any]]:
+        """Every message document as it is now (to show that a refused Commit changed nothing)."""
+        return {path: dict(fields) for path, fields in self.documents.docs.items() if "/messages/" in path}
+
     def pending_documents(self) -> set[Identity]:
         return self._documents_in(("pending",))
 
@@ -721,6 +975,10 @@ class Simulation:
 
     def close(self) -> None:
         self.loop.close()
+
+
+def _lease_path(shard: int) -> str:
+    return f"pubsub-sidecar/{SUB}/leases/{shard:04d}"
 
 
 def _content(message: Message) -> tuple[str, int, bytes]:

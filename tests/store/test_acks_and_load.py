@@ -8,6 +8,7 @@ from store_helpers import ack, client_of, documents, incoming
 
 from sidecar.emulators.faults import FaultRule
 from sidecar.engine.types import KeyCursor
+from sidecar.shards import shard_of
 from sidecar.store import layout as store_codec
 from sidecar.store.api import PersistOutcome, StoreRejected, StoreUnavailable, SubscriptionStoreConfig
 
@@ -194,11 +195,16 @@ async def test_reading_back_a_payload_that_is_no_longer_pending_is_refused(make_
 @pytest.mark.parametrize(
     ("collection", "fields", "complaint"),
     [
-        ("keys", {"next_seq": 3}, "cursor document keys/bad"),
-        ("keys", {"key": "a", "next_seq": "three"}, "expected an integer"),
+        ("keys", {"next_seq": 3, "shard": 0, "v": 2}, "cursor document keys/bad"),
+        ("keys", {"key": "a", "next_seq": "three", "shard": 0, "v": 2}, "expected an integer"),
         ("keys", {"key": "a", "next_seq": 3, "v": 99}, "layout version 99 is newer"),
-        ("messages", {"key": "a", "seq": 1, "state": "pending"}, "message document bad"),
-        ("messages", {"state": "acked", "done_ms": 10**13, "v": 1}, "not a tombstone of ours"),
+        ("keys", {"key": "a", "next_seq": 3, "shard": "0", "v": 2}, "shard='0' is not"),
+        ("messages", {"key": "a", "seq": 1, "state": "pending", "shard": 0, "v": 2}, "message document bad"),
+        ("messages", {"state": "acked", "done_ms": 10**13, "shard": 0, "v": 2}, "not a tombstone of ours"),
+        # Layout v1 (before shards): refused, naming the document and what to do.
+        ("keys", {"key": "a", "next_seq": 3, "v": 1}, "cursor document keys/bad is of layout v1"),
+        ("messages", {"key": "a", "seq": 1, "state": "pending"}, "message document bad is of layout v1"),
+        ("messages", {"key": "a", "seq": 1, "state": "acked", "done_ms": 10**13}, "bad is of layout v1"),
     ],
 )
 async def test_a_malformed_or_newer_document_stops_recovery_naming_it(make_store, collection, fields, complaint):
@@ -211,15 +217,27 @@ async def test_a_malformed_or_newer_document_stops_recovery_naming_it(make_store
     assert complaint in str(caught.value) and "\n" not in str(caught.value)
 
 
-async def test_cursor_documents_carry_no_ttl_and_a_layout_version(make_store):
+async def test_a_subscription_of_layout_v1_is_refused_until_drained(make_store):
     store = make_store()
+    await client_of(store).document(_ROOT).set({"name": "orders", "mode": "sequence", "clean_ms": 5, "v": 1})
+    with pytest.raises(StoreRejected, match="subscription document pubsub-sidecar/orders is of layout v1") as caught:
+        await store.load("orders", 2000, shards=frozenset({0}))
+    assert "drain the subscription with the previous sidecar version first" in str(caught.value)
+
+
+async def test_cursor_documents_carry_no_ttl_a_layout_version_and_their_shard(make_store):
+    store = make_store({"orders": SubscriptionStoreConfig(mode="sequence", shards=8)})
     (message,) = await _stored(store, [incoming("a", 1)])
     await store.commit_acks("orders", [ack(message, 2)], 2000)
     await store.flush("orders")
+    shard = shard_of("a", 8)
     (cursor,) = (await documents(client_of(store), f"{_ROOT}/keys")).values()
-    assert "expire_at" not in cursor and cursor["v"] == 1
+    assert "expire_at" not in cursor and cursor["v"] == 2 and cursor["shard"] == shard
     (tombstone,) = (await documents(client_of(store), f"{_ROOT}/messages")).values()
     assert tombstone["state"] == "acked" and "expire_at" in tombstone and "data" not in tombstone
+    assert tombstone["shard"] == shard and tombstone["v"] == 2
+    checkpoints = await documents(client_of(store), f"{_ROOT}/checkpoints")
+    assert checkpoints == {f"{shard:04d}": {"shard": shard, "clean_ms": 2000, "v": 2}}
 
 
 async def test_unblock_is_durable_and_a_restart_does_not_block_the_key_again(make_store):

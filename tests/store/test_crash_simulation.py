@@ -39,6 +39,8 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         tombstones_per_commit=draw(st.integers(1, 3)),
         max_held_bytes=draw(st.sampled_from([None, 0, 20])),
         max_idle_keys=draw(st.sampled_from([0, 1, 10_000])),
+        pods=draw(st.integers(1, 3)),
+        shards=draw(st.integers(1, 3)),
     )
 
 
@@ -284,4 +286,80 @@ def test_i_held_payloads_and_idle_keys_stay_within_memory_bounds_across_a_restar
     sim.ingest_all()
     deliveries = sim.take("c0", 20)
     assert sorted((d.message.key, d.message.sequence) for d in deliveries) == [("k0", 1), ("k1", 7)]
+    _finish(sim)
+
+
+# ---- several owners: handovers and fencing ---------------------------------------------------------
+
+
+def test_k_a_paused_owner_that_wakes_advances_nothing() -> None:
+    """p0 holds k0/1 in flight; its lease goes to p1, which loads the shard and confirms 1 and 2. p0
+    wakes, its app acks 1: the Commit is fenced, nothing of it applies, and p0 drops the shard."""
+    sim = Simulation(SimConfig(keys=1, per_key=3, pods=2))
+    sim.ingest_all()
+    (old,) = sim.take()
+    assert old.message.sequence == 1
+    sim.step("lose_lease", 0)  # p1 takes shard 0 (epoch 2) behind p0's back
+    assert sim.take() == [], "p0 delivered a shard whose lease it lost"
+    sim.step("take_over", 0)  # focus moves to p1, which loads shard 0
+    assert sim.active == 1 and sim.handovers == 1
+    (again,) = sim.take()
+    assert again.message.sequence == 1  # p0's delivery was never confirmed: delivered again (G3 allows)
+    sim.ack("k0", 1)
+    sim.settle()
+    assert ("k0", 1) in sim.confirmed
+    sim.step("focus", 0)
+    sim.step("app_ack", 0)  # p0's app acks its copy of 1: accepted by p0's engine...
+    tombstones = sim.snapshot_of_messages()
+    sim.step("commit_acks", 0)  # ...but refused by Firestore: p0's epoch is no longer current
+    assert sim.fenced_writes == 1 and 0 not in sim.life.engines and sim.snapshot_of_messages() == tombstones
+    sim.step("flush", 0)
+    sim.step("focus", 1)
+    assert [d.message.sequence for d in sim.take()] == [2]
+    _finish(sim)
+
+
+def test_l_intake_by_another_pod_reaches_the_owner_through_its_inbox() -> None:
+    """p1 ingests k0's messages while p0 owns shard 0: stored with ``inbox``, handed over by p0's Listen."""
+    sim = Simulation(SimConfig(keys=1, per_key=2, pods=2))
+    sim.step("focus", 1)
+    sim.ingest_all()
+    pending = [f for f in sim.documents.docs.values() if f.get("state") == "pending"]
+    assert len(pending) == 2 and all(f["inbox"] == 0 and f["shard"] == 0 for f in pending)
+    assert sim.take() == []  # p1 does not deliver shard 0
+    sim.step("focus", 0)
+    assert sim.take() == [], "p0 knew of the messages without its Listen"
+    sim.step("listen", 0)
+    assert [d.message.sequence for d in sim.take()] == [1]
+    _finish(sim)
+
+
+def test_m_a_commit_over_two_shards_applies_the_one_still_held() -> None:
+    """Acks of k0 (shard 0) and k2 (shard 1) in one call after shard 1 was lost: k0's ack is durable
+    and confirmed, k2's is not (ShardLost names shard 1) and its new owner delivers it again."""
+    sim = Simulation(SimConfig(keys=3, per_key=1, pods=2, shards=2))
+    sim.ingest_all()
+    sim.take("c0", 10)
+    sim.ack("k0", 1)
+    sim.ack("k2", 1)
+    sim.step("lose_lease", 1)  # shard 1 to p1
+    sim.step("commit_acks", 0)
+    assert ("k0", 1) in sim.confirmed and ("k2", 1) not in sim.confirmed
+    assert sim.fenced_writes == 1 and set(sim.life.engines) == {0}
+    sim.step("take_over", 1)
+    assert [d.message.key for d in sim.take()] == ["k2"]
+    _finish(sim)
+
+
+def test_n_a_copy_ingested_by_a_non_owner_addresses_a_pending_document_to_the_owner() -> None:
+    """p0 stored k0/1 as its owner (no ``inbox``); a redelivered copy ingested by p1, which does not own
+    shard 0, finds the document pending without ``inbox`` and merges it in before it is acked."""
+    sim = Simulation(SimConfig(keys=1, per_key=1, pods=2))
+    sim.ingest_all()  # p0 owns shard 0: no inbox
+    (path,) = [p for p, f in sim.documents.docs.items() if f.get("state") == "pending"]
+    assert "inbox" not in sim.documents.docs[path]
+    sim.step("redeliver", 0)
+    sim.step("focus", 1)
+    sim.ingest_all()  # p1 does not own shard 0: its copy finds the pending document
+    assert sim.documents.docs[path]["inbox"] == 0
     _finish(sim)

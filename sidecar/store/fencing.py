@@ -1,0 +1,288 @@
+"""Writes that advance keys: tombstones, cursor documents, checkpoints and unblocks, in Commits grouped
+by shard, each Commit fenced by the leases of the shards it touches.
+
+Several pods share a subscription; a key's shard has one owner at a time, recorded in the shard's
+lease document (``owner``, ``epoch``; the lease manager takes and renews it). A ``FenceSource``
+gives, per (subscription, shard), the ``documents.Fence`` this pod's writes must pass: the lease
+must still name this pod with the epoch it holds. Every Commit of this module carries one fence per
+shard it writes to, and ``Documents.commit`` applies it only if every fence holds.
+
+Why the old owner can do no harm (a pod paused past its lease, or cut off, that wakes and writes):
+on Firestore a fenced Commit is a read-write transaction that reads the fence documents and commits
+the writes. Firestore's read-write transactions are serializable: a transaction that commits read
+every document at a version no committed write precedes that it did not see. A new owner's lease
+write (a compare-and-set on the lease's ``update_time``) either comes before the old owner's
+transaction read the lease, and the fence sees the new owner or epoch and fails, or after the
+transaction committed, and then every write of the old owner is already durable before the new
+owner's lease exists, so the new owner's load (which comes after its lease write) reads it. In
+production the transaction holds its read locks pessimistically until it commits, so the lease
+write waits; in the project's emulator (``sidecar/emulators/firestore/transactions.py``) a commit
+whose read document changed since it was read is aborted. Either way no write of an old owner
+applies after the lease changed. The pod's clock plays no part in this argument.
+
+Rules:
+
+- **One Commit may cover several shards, with one fence each** (one read each): commits stay few.
+  A key's tombstones stay in one Commit (``_split_group`` aside), and the cursor documents and
+  checkpoints that ride along are those of the shards the Commit already touches.
+- **A failed fence loses only its shards.** ``Fenced`` names the fences that failed; their shards
+  are lost: the book forgets them (``CursorBook.release``: their pending cursor updates are
+  dropped and never retried by this pod), and the same Commit is sent again without them. The
+  other Commits of the call go on. The caller raises ``ShardLost`` at the end, once everything
+  outside the lost shards is durable.
+- **A shard's checkpoint** (``layout.checkpoint_path``, ``clean_ms``) is written only here, fenced:
+  an old owner can no more move it than a cursor.
+- Persist (intake: creates) is never fenced: any pod stores any message, and a create decides
+  nothing about order.
+
+Cost: one lease read per shard touched per fenced Commit; nothing without fences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from sidecar.engine.types import AckIntent, Message
+from sidecar.store import documents as docs
+from sidecar.store import layout
+from sidecar.store.api import DEAD_LETTERED, ShardLost, SubscriptionStoreConfig
+from sidecar.store.cursors import CursorBook, KeyState, cursor_fields
+
+_SHARDS_PER_FLUSH_COMMIT = 100
+"""Shards per flush Commit: leaves most of its 500 writes for cursor documents, and bounds the
+fence reads of one transaction."""
+
+FenceSource = Callable[[str, int], docs.Fence | None]
+"""(subscription, shard) -> the fence this pod's writes to the shard must pass (None: none);
+raises ``ShardLost`` at once when the pod knows it does not own the shard."""
+
+
+@dataclass(slots=True)
+class Subscription:
+    """What the store keeps in memory for one subscription."""
+
+    name: str
+    config: SubscriptionStoreConfig
+    path: str
+    """Relative path of the subscription document."""
+    book: CursorBook
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    checkpoint_ms: dict[int, int | None] = field(default_factory=dict)
+    """Per shard: the ``clean_ms`` its checkpoint document holds, as far as this pod knows."""
+    checkpoint_written_ms: dict[int, int] = field(default_factory=dict)
+    stale: set[int] = field(default_factory=set)
+    """Shards whose checkpoint lags behind their cursors (the flush writes it)."""
+
+    def shard(self, key: str) -> int:
+        return self.book.rules.shard(key)
+
+    def forget(self, shards: Iterable[int]) -> None:
+        """The pod lost ``shards``: drop their cursor state and checkpoint bookkeeping."""
+        lost = set(shards)
+        self.book.release(lost)
+        for shard in lost:
+            self.checkpoint_ms.pop(shard, None)
+            self.checkpoint_written_ms.pop(shard, None)
+        self.stale -= lost
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """One tombstone to write: which document, which state, and what it tells the cursor."""
+
+    message: Message
+    doc_id: str
+    chunks: int
+    state: str
+    cursor: int | tuple[int, str] | None
+    ack: AckIntent | None = None
+    dead_letter: Message | None = None
+    """A dead letter (state ``dead_lettered`` or ``dead_lettered_aside``): folded into the key's cursor."""
+
+
+class ShardWriter:
+    """Plans and sends the fenced Commits of one store."""
+
+    def __init__(
+        self, documents: docs.Documents, fences: FenceSource | None, interval_ms: int, per_commit: int
+    ) -> None:
+        self._documents = documents
+        self._fences = fences
+        self._interval_ms = interval_ms
+        self._per_commit = per_commit
+
+    async def finish(self, sub: Subscription, items: list[Finish], now_ms: int) -> set[int]:
+        """Tombstones in Commits of <= ``per_commit`` writes, grouped by shard; one key's tombstones
+        never span two Commits. Returns the shards lost on the way (nothing of theirs applied)."""
+        by_key: dict[str, list[Finish]] = {}
+        for item in sorted(items, key=lambda item: sub.shard(item.message.key)):
+            by_key.setdefault(item.message.key, []).append(item)
+        commits: list[list[Finish]] = [[]]
+        size = 0
+        for group in by_key.values():
+            for part in _split_group(group, self._per_commit):
+                part_size = sum(1 + item.chunks for item in part)
+                if commits[-1] and size + part_size > self._per_commit:
+                    commits.append([])
+                    size = 0
+                commits[-1].extend(part)
+                size += part_size
+        lost: set[int] = set()
+        for commit in commits:
+            shards = {sub.shard(item.message.key) for item in commit}
+            await self._commit(sub, commit, shards, now_ms, lost)
+        return lost
+
+    async def flush(self, sub: Subscription, now_ms: int) -> set[int]:
+        """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost."""
+        shards = sorted({sub.shard(state.key) for state in sub.book.dirty_states({})} | sub.stale)
+        lost: set[int] = set()
+        for start in range(0, len(shards), _SHARDS_PER_FLUSH_COMMIT):
+            await self._commit(sub, [], set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT]), now_ms, lost)
+        return lost
+
+    async def unblock(self, sub: Subscription, state: KeyState, now_ms: int) -> set[int]:
+        """Write the key's cursor document now, whatever the coalescing interval; returns the
+        shards lost (the key's, when its fence failed: nothing written)."""
+        shard = sub.shard(state.key)
+        lost: set[int] = set()
+        fences = self._acquire(sub, {shard}, lost)
+        if lost:
+            sub.forget(lost)
+            return lost
+        write = _cursor_write(sub, state, shard, now_ms)
+        if await self._send(sub, [write], fences, lost):
+            sub.book.accept({state.key: state}, [state], now_ms)
+        return lost
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    async def _commit(
+        self, sub: Subscription, items: list[Finish], shards: set[int], now_ms: int, lost: set[int]
+    ) -> None:
+        """``items``' tombstones plus the due cursors and checkpoints of ``shards``, fenced; booked
+        once durable. Lost shards are dropped and the rest is sent again until it applies."""
+        while True:
+            shards -= lost
+            items = [item for item in items if sub.shard(item.message.key) not in lost]
+            if not shards:
+                return
+            fences = self._acquire(sub, shards, lost)
+            if lost & shards:
+                sub.forget(lost)
+                continue
+            writes: list[docs.Write] = []
+            for item in items:
+                path = layout.message_path(sub.path, item.doc_id)
+                fields = layout.tombstone_fields(
+                    item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor, sub.shard(item.message.key)
+                )
+                writes.append(docs.replace(path, fields))
+                writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
+            acks = [item.ack for item in items if item.ack is not None]
+            dead = [i.dead_letter for i in items if i.dead_letter is not None and i.state == DEAD_LETTERED]
+            aside = [i.dead_letter for i in items if i.dead_letter is not None and i.state != DEAD_LETTERED]
+            proposed = sub.book.propose(acks, dead, now_ms, aside)
+            due = sub.book.due(now_ms, proposed, docs.MAX_WRITES - len(writes) - len(shards), shards)
+            writes += [_cursor_write(sub, state, sub.shard(state.key), now_ms) for state in due]
+            checkpoints = self._checkpoints(sub, shards, proposed, due, now_ms)
+            writes += [
+                docs.replace(layout.checkpoint_path(sub.path, shard), _checkpoint_fields(shard, clean))
+                for shard, clean in checkpoints.items()
+            ]
+            if not writes:
+                return
+            if not await self._send(sub, writes, fences, lost):
+                continue
+            sub.book.accept(proposed, due, now_ms)
+            for shard, clean in checkpoints.items():
+                sub.checkpoint_ms[shard], sub.checkpoint_written_ms[shard] = clean, now_ms
+                sub.stale.discard(shard)
+            return
+
+    def _checkpoints(
+        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], due: list[KeyState], now_ms: int
+    ) -> dict[int, int]:
+        """The checkpoints of ``shards`` to write with this Commit (each at most once per interval);
+        the others that lag are marked stale."""
+        written = {state.key for state in due}
+        clean = dict.fromkeys(shards, now_ms)
+        for state in sub.book.dirty_states(proposed):
+            shard = sub.shard(state.key)
+            if shard in clean and state.key not in written and state.dirty_since_ms is not None:
+                clean[shard] = min(clean[shard], state.dirty_since_ms)
+        out: dict[int, int] = {}
+        for shard, clean_ms in clean.items():
+            if shard in sub.checkpoint_ms and clean_ms == sub.checkpoint_ms[shard]:
+                sub.stale.discard(shard)
+                continue
+            last = sub.checkpoint_written_ms.get(shard)
+            if last is None or now_ms - last >= self._interval_ms:
+                out[shard] = clean_ms
+            sub.stale.add(shard)  # until the Commit that writes it succeeds
+        return out
+
+    def _acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
+        """The fence of each of ``shards``; a shard the source says is lost goes to ``lost``."""
+        if self._fences is None:
+            return {}
+        out: dict[int, docs.Fence] = {}
+        for shard in sorted(shards):
+            try:
+                fence = self._fences(sub.name, shard)
+            except ShardLost:
+                lost.add(shard)
+                continue
+            if fence is not None:
+                out[shard] = fence
+        return out
+
+    async def _send(
+        self, sub: Subscription, writes: list[docs.Write], fences: dict[int, docs.Fence], lost: set[int]
+    ) -> bool:
+        """Commit; False when a fence failed (its shards are then in ``lost`` and forgotten)."""
+        if not fences:
+            await self._documents.commit(writes)  # no transaction: an unfenced Commit costs what it did
+            return True
+        try:
+            await self._documents.commit(writes, list(fences.values()))
+        except docs.Fenced as exc:
+            failed = {shard for shard, fence in fences.items() if fence.path in exc.paths} or set(fences)
+            lost |= failed
+            sub.forget(failed)
+            return False
+        return True
+
+
+def _checkpoint_fields(shard: int, clean_ms: int) -> dict[str, int]:
+    return {layout.SHARD: shard, "clean_ms": clean_ms, "v": layout.LAYOUT_VERSION}
+
+
+def _cursor_write(sub: Subscription, state: KeyState, shard: int, now_ms: int) -> docs.Write:
+    fields = cursor_fields(state)
+    fields["written_ms"] = now_ms
+    fields[layout.SHARD] = shard
+    return docs.replace(f"{sub.path}/keys/{layout.key_doc_id(state.key)}", fields)
+
+
+def _split_group(group: list[Finish], per_commit: int) -> list[list[Finish]]:
+    """One key's tombstones in parts of at most ``per_commit`` writes (one part unless the
+    key has a very large in-flight window of chunked messages). Only the last part carries cursors:
+    an earlier part, committed first, records just the finished positions (``done_above``), which are
+    true on their own, so no cursor is ever durable ahead of a tombstone."""
+    parts: list[list[Finish]] = [[]]
+    size = 0
+    for item in group:
+        if parts[-1] and size + 1 + item.chunks > per_commit:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += 1 + item.chunks
+    for part in parts[:-1]:
+        for i, item in enumerate(part):
+            if item.ack is not None:
+                ack = AckIntent(item.ack.delivery_id, item.ack.message, None)
+                part[i] = Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack)
+    return parts
