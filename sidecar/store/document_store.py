@@ -56,6 +56,7 @@ from sidecar.store.api import (
 )
 from sidecar.store.cursors import CursorBook, CursorRules, fold_unblock, is_blocked, key_cursor, position_of
 from sidecar.store.fencing import FenceSource, Finish, ShardWriter, Subscription
+from sidecar.store.inbox import InboxListening, listen_inbox
 from sidecar.store.layout import message_path
 from sidecar.store.persist import Persister
 from sidecar.store.reader import Progress, Reader
@@ -282,6 +283,17 @@ class DocumentStore:
                     sub.stale.add(shard)  # written by the next flush, so the next load reads less
         self._maybe_wake_flusher(sub)
         return recovered.snapshot
+
+    def listen_inbox(
+        self,
+        subscription: str,
+        shard: int,
+        on_messages: Callable[[list[Message]], None],
+        on_error: Callable[[StoreError], None],
+    ) -> InboxListening:
+        """Messages other pods stored for ``shard``'s owner, as they are committed (``sidecar.store.inbox``)."""
+        sub = self._sub(subscription)
+        return listen_inbox(self._documents, self._reader, sub.path, shard, on_messages, on_error)
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._sub(subscription).forget(shards)

@@ -90,7 +90,7 @@ class Reader:
                         keep.append((doc_id, fields))
                     else:
                         out.append(layout.stripped_message_from_fields(doc_id, fields))
-                out += await self._decode_pending(sub_path, keep)
+                out += await self.decode_pending(sub_path, keep)
                 if page.after is None:
                     break
                 after = page.after
@@ -133,11 +133,11 @@ class Reader:
                 )
             docs_found.append((doc_id, fields))
         try:
-            return await self._decode_pending(sub_path, docs_found)
+            return await self.decode_pending(sub_path, docs_found)
         except layout.CorruptDocument as exc:
             raise StoreRejected(f"read_payloads: {exc}") from exc
 
-    async def _decode_pending(self, sub_path: str, found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
+    async def decode_pending(self, sub_path: str, found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
         """Pending messages, chunked data reassembled (one batched get for all chunks)."""
         chunked = {doc_id: int(fields.get("chunks") or 0) for doc_id, fields in found if fields.get("chunks")}
         paths = [

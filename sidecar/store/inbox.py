@@ -1,0 +1,81 @@
+"""A shard's inbox: messages other pods stored for the shard's owner, delivered by a Listen.
+
+A pod that stores a message whose key it does not deliver marks the document ``inbox = shard``
+(``sidecar.store.layout``). The owner listens on ``messages where inbox == shard and state ==
+"pending"``: Firestore pushes each such document once it is committed (one billed read), and again
+never, since the owner's tombstone (a whole-document replace) drops ``inbox`` and takes the document
+out of the result. Chunked payloads are read like recovery reads them.
+
+Only ``upserts`` matter: a removal is the owner's own tombstone (or a TTL delete) and says nothing
+new. A snapshot may be older than the owner's own writes (a Listen lags a little); the runtime
+deals with a copy it already finished (``SubscriptionRuntime._finished_elsewhere``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sidecar.engine.types import Message
+from sidecar.store import documents as docs
+from sidecar.store import layout
+from sidecar.store.api import StoreError
+from sidecar.store.reader import Reader
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class InboxListening:
+    """A running inbox Listen; ``close`` stops it and whatever decoding is still in progress."""
+
+    def __init__(self) -> None:
+        self.listening: docs.Listening | None = None
+        self.decoding: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+        for task in list(self.decoding):
+            task.cancel()
+        await asyncio.gather(*self.decoding, return_exceptions=True)
+        if self.listening is not None:
+            await self.listening.close()
+
+
+def listen_inbox(
+    documents: docs.Documents,
+    reader: Reader,
+    sub_path: str,
+    shard: int,
+    on_messages: Callable[[list[Message]], None],
+    on_error: Callable[[StoreError], None],
+) -> InboxListening:
+    """Start listening on ``shard``'s inbox under ``sub_path``; ``on_messages`` gets each batch, decoded."""
+    handle = InboxListening()
+
+    async def decode(found: list[tuple[str, dict[str, Any]]]) -> None:
+        try:
+            messages = await reader.decode_pending(sub_path, found)
+        except layout.CorruptDocument as exc:
+            _LOGGER.error("inbox of shard %d under %s: %s (left for the next recovery to refuse)", shard, sub_path, exc)
+            return
+        except StoreError as exc:
+            if not handle.closed:
+                on_error(exc)
+            return
+        if not handle.closed and messages:
+            on_messages(messages)
+
+    def on_change(change: docs.Change) -> None:
+        found = [(doc_id, fields) for doc_id, fields, _ in change.upserts if fields.get("state") == layout.PENDING]
+        if not found or handle.closed:
+            return
+        task = asyncio.ensure_future(decode(found))
+        handle.decoding.add(task)
+        task.add_done_callback(handle.decoding.discard)
+
+    where = [docs.Filter(layout.INBOX, "EQUAL", shard), docs.Filter("state", "EQUAL", layout.PENDING)]
+    handle.listening = documents.listen(sub_path, "messages", where, on_change, on_error)
+    return handle
