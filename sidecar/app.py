@@ -3,16 +3,18 @@
 This module only wires; every component does its own job (``ingest``, ``store``, ``runtime``,
 ``delivery``, ``watermark``, ``observability``). It installs the process's one signal handler.
 
-Start: store and dead-letter publisher -> one runtime per subscription -> gRPC server (health
-NOT_SERVING) and HTTP endpoint -> recover every runtime from the store (streams opened meanwhile are
-told to retry: nothing is delivered before recovery) -> runtimes' background work -> ingest and
-watermark sources -> health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on
-ADDR, HTTP on ADDR`` (with the bound ports, so port 0 works).
+Start: store and dead-letter publisher -> one runtime per subscription, each with its shard leases
+(``sidecar.leases``) carried out by ``sidecar.ownership`` -> gRPC server (health NOT_SERVING) and
+HTTP endpoint -> runtimes ready (nothing is delivered before a shard is loaded) -> runtimes'
+background work, lease rounds and the Listen on the lease documents -> ingest and watermark sources
+-> health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on ADDR, HTTP on ADDR``
+(with the bound ports, so port 0 works). Shards are loaded as their leases are taken.
 
 Stop (SIGTERM/SIGINT), all within ``grace_seconds``: /readyz and gRPC health NOT_SERVING -> stop
-pulling (ingest gives back what it did not persist) -> drain the app streams (outstanding acks are
-confirmed, what is left is given back: it is pending in Firestore and delivered again after a
-restart) -> stop runtimes (queued acks commit) -> close clients. Every step runs even if an earlier
+pulling (ingest gives back what it did not persist) -> drain the shards (hand out nothing more, wait
+up to ``sharding.drain_timeout`` for the app's acks) and hand every lease over at once -> drain the
+app streams (what is left is given back: it is pending in Firestore and the shards' next owners
+deliver it) -> stop runtimes (queued acks commit) -> close clients. Every step runs even if an earlier
 one failed. A component that fails for good stops the process the same way with exit code 1, so
 that Kubernetes restarts it; an invalid config file exits 2 with one line on stderr.
 """
@@ -24,7 +26,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -36,10 +41,13 @@ from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Deliver
 from sidecar.grpc_server import GrpcServer
 from sidecar.ingest import Ingestor
+from sidecar.leases.manager import ShardLeases
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
+from sidecar.ownership import ShardOwnership
 from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime
-from sidecar.store.api import SubscriptionStoreConfig
+from sidecar.store import documents as docs
+from sidecar.store.api import StoreError, SubscriptionStoreConfig
 from sidecar.store.firestore import FirestoreStore
 from sidecar.store.timed import TimedStore
 from sidecar.watermark import WatermarkSource
@@ -66,6 +74,11 @@ class _Subscription:
     runtime: SubscriptionRuntime
     ingestor: Ingestor
     watermark: WatermarkSource | None = None
+    leases: ShardLeases | None = None
+    ownership: ShardOwnership | None = None
+    lease_listen: docs.Listening | None = None
+    listen_leases: Callable[[], docs.Listening] | None = None
+    """Starts the Listen on the subscription's lease documents (``_run``)."""
 
 
 @dataclass
@@ -124,6 +137,12 @@ class Sidecar:
     ) -> tuple[dict[str, _Subscription], GrpcServer, HttpEndpoint, Readiness]:
         """Make every component (nothing runs yet); registers the clients' close in ``clients``."""
         config = self.config
+        pod = pod_identity()
+        leases_by_sub: dict[str, ShardLeases] = {}
+
+        def fence(subscription: str, shard: int) -> docs.Fence:
+            return leases_by_sub[subscription].fence(shard)
+
         store = FirestoreStore(
             config.project,
             {
@@ -133,11 +152,13 @@ class Sidecar:
                     on_dead_letter=sub.delivery.on_dead_letter,
                     sequence_start=sub.engine_config().sequence_start,
                     first_sequence_any=sub.engine_config().first_sequence_any,
+                    shards=sub.sharding.shards,
                 )
                 for sub in config.subscriptions
             },
             database=config.firestore.database,
             root=config.firestore.root,
+            fences=fence,
         )
         clients.push_async_callback(_close_quietly, "store", store.close)
         dead_letters = DeadLetterPublisher({sub.name: sub.dead_letter_topic for sub in config.subscriptions})
@@ -154,9 +175,36 @@ class Sidecar:
                 dead_letters,
                 on_delivered=functools.partial(self._observe_deliveries, sub.name),
                 max_held_bytes=sub.flow_control.max_held_bytes,
+                shard_count=sub.sharding.shards,
             )
+            ownership = ShardOwnership(runtime, store, drain_timeout_seconds=sub.sharding.drain_timeout_ms / 1000)
+            leases = ShardLeases(
+                store.documents,
+                f"{config.firestore.root}/{sub.name}",
+                sub.sharding.shards,
+                pod,
+                lease_ms=sub.sharding.lease_duration_ms,
+                on_gained=ownership.on_gained,
+                on_lost=ownership.on_lost,
+                before_release=ownership.before_release,
+            )
+            leases_by_sub[sub.name] = leases
+            runtime.pod = pod
+            runtime.lease_check = leases.holds
+            runtime.status_counts = functools.partial(_lease_counts, leases, ownership)
+            runtime.on_shard_lost = leases.shard_lost
             ingestor = Ingestor(sub, timed_store, runtime, dead_letters)
-            subs[sub.name] = _Subscription(sub, runtime, ingestor, _watermark_source(sub, runtime))
+            subs[sub.name] = _Subscription(
+                sub,
+                runtime,
+                ingestor,
+                _watermark_source(sub, runtime),
+                leases=leases,
+                ownership=ownership,
+                listen_leases=functools.partial(
+                    _listen_leases, store.documents, leases, f"{config.firestore.root}/{sub.name}", sub.name
+                ),
+            )
         grpc_server = GrpcServer({name: s.runtime for name, s in subs.items()}, config.listen)
         checks: dict[str, Callable[[], Awaitable[None]]] = {"firestore": store.ping}
         checks.update({f"pubsub:{name}": _pubsub_check(s.ingestor) for name, s in subs.items()})
@@ -177,6 +225,9 @@ class Sidecar:
             await s.runtime.start()
         watchers = self._watchers
         for name, s in subs.items():
+            if s.leases is not None and s.listen_leases is not None:
+                s.lease_listen = s.listen_leases()
+                watchers[asyncio.ensure_future(s.leases.run())] = f"shard leases of {name}"
             await s.ingestor.start()
             watchers[asyncio.ensure_future(s.ingestor.run())] = f"ingest of {name}"
             if s.watermark is not None:
@@ -203,6 +254,35 @@ class Sidecar:
             else:
                 self.failure = RuntimeError(f"{what} ended unexpectedly")
                 _LOGGER.critical("%s ended unexpectedly; stopping", what)
+
+
+def pod_identity() -> str:
+    """This process among the pods of a subscription: the pod's name (``POD_NAME`` from the downward
+    API, else the host name), the process id and a random suffix, so that a restarted container is a
+    new owner whose epoch moves on, never a zombie taken for the live one."""
+    base = os.environ.get("POD_NAME") or socket.gethostname() or "sidecar"
+    return f"{base}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _lease_counts(leases: ShardLeases, ownership: ShardOwnership) -> dict[str, int]:
+    counts = leases.stats.counts()
+    counts["inbox_messages"] = ownership.inbox_messages
+    counts["inbox_listen_failures"] = ownership.listen_failures
+    return counts
+
+
+def _listen_leases(documents: docs.Documents, leases: ShardLeases, sub_path: str, name: str) -> docs.Listening:
+    """A Listen on the subscription's lease documents: any change (a release, a request, a take)
+    runs a lease round at once instead of at the next renewal."""
+
+    def on_change(_change: docs.Change) -> None:
+        leases.poke()
+
+    def on_error(error: StoreError) -> None:
+        # The rounds still run every third of a lease: hand-overs are seen later, nothing is lost.
+        _LOGGER.warning("subscription %s: the Listen on lease documents failed (%s); rounds continue", name, error)
+
+    return documents.listen(sub_path, "leases", [], on_change, on_error)
 
 
 def _stuck(subs: dict[str, _Subscription]) -> str | None:
@@ -333,6 +413,14 @@ async def _shutdown(
         # Persists in progress finish (their messages are then acked to Pub/Sub); the rest is nacked.
         ingest_grace = min(5.0, left(reserve) / 2)
         await step(f"ingest:{name}", s.ingestor.stop(grace_seconds=ingest_grace), ingest_grace + 15.0)
+    for name, s in subs.items():
+        # Hand the shards over now, not after their leases expire: the other pods take them at once.
+        if s.leases is not None and s.ownership is not None:
+            drain = s.config.sharding.drain_timeout_ms / 1000
+            await step(f"leases:{name}", s.leases.release_all(s.ownership.drain), drain + _STOP_STEP_TIMEOUT_SECONDS)
+            await step(f"shards:{name}", s.ownership.close())
+        if s.lease_listen is not None:
+            await step(f"lease-listen:{name}", s.lease_listen.close())
     drain = left(reserve)
     await step("grpc", grpc_server.stop(drain), drain + _STOP_STEP_TIMEOUT_SECONDS)
     for name, s in subs.items():

@@ -203,7 +203,7 @@ class SubscriptionRuntime:
         self._engines = ShardEngines(
             self._id_prefix, (lambda key: 0) if shard_count is None else functools.partial(_shard, count=shard_count)
         )
-        self._on_shard_lost = on_shard_lost
+        self.on_shard_lost = on_shard_lost
         self.pod = ""
         """This process's identity among the pods of the subscription (set with leases)."""
         self.lease_check: Callable[[int], int | None] | None = None
@@ -733,8 +733,8 @@ class SubscriptionRuntime:
             return
         for entry in self._engines:
             if check(entry.shard) != entry.epoch and self.drop_shard(entry.shard, entry.epoch):
-                if self._on_shard_lost is not None:
-                    self._on_shard_lost(entry.shard, entry.epoch)
+                if self.on_shard_lost is not None:
+                    self.on_shard_lost(entry.shard, entry.epoch)
 
     def _current(self, entry: ShardEngine) -> bool:
         """Whether ``entry`` still delivers its shard (not dropped or replaced since)."""
@@ -744,8 +744,8 @@ class SubscriptionRuntime:
         """The store refused a write: this pod's lease on those shards has moved on."""
         for shard in sorted(exc.shards):
             entry = self._engines.get(shard)
-            if entry is not None and self.drop_shard(shard) and self._on_shard_lost is not None:
-                self._on_shard_lost(shard, entry.epoch)
+            if entry is not None and self.drop_shard(shard) and self.on_shard_lost is not None:
+                self.on_shard_lost(shard, entry.epoch)
 
     def _after_change(self) -> None:
         """Wake streams when messages are ready and the timer when an earlier timer appeared."""
