@@ -35,6 +35,21 @@ class StoreRejected(StoreError):
     """Permanent for this input (e.g. larger than any document split allows)."""
 
 
+class ShardLost(StoreError):
+    """An advancing write was refused: this pod's lease on ``shards`` has moved on (fencing).
+
+    Everything of the call outside ``shards`` was applied; nothing inside them was, and this pod
+    must not retry it: the shards' new owner advances those keys now."""
+
+    def __init__(self, subscription: str, shards: frozenset[int]) -> None:
+        super().__init__(
+            f"subscription {subscription!r}: shards {sorted(shards)} are no longer owned by this pod "
+            "(their lease moved to another owner); writes for them were refused"
+        )
+        self.subscription = subscription
+        self.shards = shards
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriptionStoreConfig:
     """What the store needs to know about one subscription."""

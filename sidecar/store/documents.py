@@ -15,10 +15,14 @@ Semantics every implementation keeps (Firestore's own):
 - A write with ``mask`` updates only the named fields (a named field absent from ``fields`` is
   deleted); without a mask the document is replaced. ``exists=False`` is a create (ALREADY_EXISTS
   if present), ``exists=True`` requires the document (NOT_FOUND otherwise).
+- ``update_time_us`` on a write is a compare-and-set: it applies only to the version read with
+  that update time (FAILED_PRECONDITION otherwise). A write that leaves a document's fields as they
+  were keeps its update time (Firestore's WriteResult rule); update times grow strictly per commit.
 - Errors: ``Unavailable`` (transient; a write may or may not have applied), ``RequestRejected``
   (the request was refused as invalid, nothing applied), ``Misconfigured`` (permission, missing
   database or index: nothing a retry of the same call fixes soon), ``AlreadyExists`` (``commit``
-  only: a create found its document).
+  only: a create found its document), ``PreconditionFailed`` (``commit`` only: an ``update_time``
+  precondition did not match).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ Operator = Literal["EQUAL", "GREATER_THAN_OR_EQUAL"]
 
 OK = 0
 ALREADY_EXISTS = 6
+FAILED_PRECONDITION = 9
+"""A write's ``update_time`` precondition did not match the stored version (compare-and-set lost)."""
 RETRYABLE_CODES = frozenset({1, 2, 4, 8, 10, 13, 14})
 """Per-write statuses of BatchWrite that are transient (CANCELLED .. UNAVAILABLE)."""
 INPUT_CODES = frozenset({3, 11})
@@ -60,6 +66,10 @@ class AlreadyExists(StoreError):
     """``commit``: a create precondition found its document; nothing applied."""
 
 
+class PreconditionFailed(StoreError):
+    """``commit``: an ``update_time`` precondition did not match (the document changed); nothing applied."""
+
+
 @dataclass(frozen=True, slots=True)
 class Write:
     """One document write. Build with ``create``, ``replace``, ``merge`` or ``delete``."""
@@ -71,6 +81,14 @@ class Write:
     """Field paths to update (absent from ``fields``: deleted); None replaces the document."""
     exists: bool | None = None
     """Precondition: False = must not exist (create), True = must exist, None = none."""
+    update_time_us: int | None = None
+    """Precondition: the stored version's update time must be exactly this (compare-and-set);
+    FAILED_PRECONDITION otherwise, a missing document included. Excludes ``exists``."""
+
+    def __post_init__(self) -> None:
+        if self.update_time_us is not None and self.exists is not None:
+            # One precondition per write in Firestore (``current_document`` is a oneof).
+            raise ValueError(f"write to {self.path}: exists and update_time_us preconditions exclude each other")
 
     @property
     def is_delete(self) -> bool:
@@ -134,8 +152,40 @@ class Documents(Protocol):
         """Documents of ``parent/collection`` matching ``where``, ordered by (``order_by``, name)."""
         ...
 
+    async def get_versioned(self, paths: Sequence[str]) -> tuple[int, dict[str, Versioned]]:
+        """One batched read: its read time (the database's clock, microseconds) and every document
+        with its update time (``Versioned(None, None)`` for a missing one)."""
+        ...
+
     async def close(self) -> None: ...
 
 
 def utc_from_ms(ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+
+
+# ---- versioned reads and compare-and-set (shard leases) ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned:
+    """A document as one read saw it: fields and update time, both None when it was missing."""
+
+    fields: Fields | None
+    update_time_us: int | None
+
+
+def compare_and_set(path: str, fields: Mapping[str, Any], update_time_us: int | None) -> Write:
+    """Replace ``path`` only if it is still the version read with ``update_time_us``; None: create it
+    (the read found it missing). Either way a concurrent writer makes this write fail, not win."""
+    if update_time_us is None:
+        return create(path, fields)
+    return Write(path, fields, None, None, update_time_us)
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A document whose fields must still hold ``expected`` for a fenced commit to apply."""
+
+    path: str
+    expected: Mapping[str, Any]
