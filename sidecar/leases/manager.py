@@ -218,7 +218,11 @@ class ShardLeases:
             if not holding.ready:
                 self._drop(shard, counted=False)  # still loading: nothing of it in flight, give it up as it is
         self.poke()
-        await drain(set(self.owned()))
+        try:
+            await drain(set(self.owned()))
+        except Exception:
+            # Hand over all the same: what did not drain fails its fence and is not confirmed.
+            _LOGGER.exception("subscription %s: draining before the hand-over failed", self._subscription)
         async with self._lock:
             self._mode = Mode.LEAVE
             try:
