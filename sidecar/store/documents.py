@@ -15,11 +15,15 @@ Semantics every implementation keeps (Firestore's own):
 - A write with ``mask`` updates only the named fields (a named field absent from ``fields`` is
   deleted); without a mask the document is replaced. ``exists=False`` is a create (ALREADY_EXISTS
   if present), ``exists=True`` requires the document (NOT_FOUND otherwise).
+- ``update_time_us`` on a write is a compare-and-set: it applies only to the version read with
+  that update time (FAILED_PRECONDITION otherwise). A write that leaves a document's fields as they
+  were keeps its update time (Firestore's WriteResult rule); update times grow strictly per commit.
 - Errors: ``Unavailable`` (transient; a write may or may not have applied), ``RequestRejected``
   (the request was refused as invalid, nothing applied), ``Misconfigured`` (permission, missing
   database or index: nothing a retry of the same call fixes soon), ``AlreadyExists`` (``commit``
   only: a create found its document), ``Fenced`` (``commit`` with fences: a fence did not hold,
-  nothing applied).
+  nothing applied), ``PreconditionFailed`` (``commit`` only: an ``update_time``
+  precondition did not match).
 - ``commit(writes, fences)``: every ``Fence`` names a document (a shard's lease) and field values it
   must still have when the writes apply. The check and the writes are one atomic step: no write to
   a fence document can come between them. Without fences a commit costs what it always did.
@@ -39,6 +43,8 @@ Operator = Literal["EQUAL", "GREATER_THAN_OR_EQUAL"]
 
 OK = 0
 ALREADY_EXISTS = 6
+FAILED_PRECONDITION = 9
+"""A write's ``update_time`` precondition did not match the stored version (compare-and-set lost)."""
 RETRYABLE_CODES = frozenset({1, 2, 4, 8, 10, 13, 14})
 """Per-write statuses of BatchWrite that are transient (CANCELLED .. UNAVAILABLE)."""
 INPUT_CODES = frozenset({3, 11})
@@ -62,6 +68,10 @@ class Misconfigured(StoreRejected):
 
 class AlreadyExists(StoreError):
     """``commit``: a create precondition found its document; nothing applied."""
+
+
+class PreconditionFailed(StoreError):
+    """``commit``: an ``update_time`` precondition did not match (the document changed); nothing applied."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +121,14 @@ class Write:
     """Field paths to update (absent from ``fields``: deleted); None replaces the document."""
     exists: bool | None = None
     """Precondition: False = must not exist (create), True = must exist, None = none."""
+    update_time_us: int | None = None
+    """Precondition: the stored version's update time must be exactly this (compare-and-set);
+    FAILED_PRECONDITION otherwise, a missing document included. Excludes ``exists``."""
+
+    def __post_init__(self) -> None:
+        if self.update_time_us is not None and self.exists is not None:
+            # One precondition per write in Firestore (``current_document`` is a oneof).
+            raise ValueError(f"write to {self.path}: exists and update_time_us preconditions exclude each other")
 
     @property
     def is_delete(self) -> bool:
@@ -175,6 +193,11 @@ class Documents(Protocol):
         (``order_by``, name). Equality filters on several fields need no composite index."""
         ...
 
+    async def get_versioned(self, paths: Sequence[str]) -> tuple[int, dict[str, Versioned]]:
+        """One batched read: its read time (the database's clock, microseconds) and every document
+        with its update time (``Versioned(None, None)`` for a missing one)."""
+        ...
+
     async def close(self) -> None: ...
 
     def listen(
@@ -221,3 +244,22 @@ class Listening(Protocol):
     """A running ``Documents.listen``; ``close`` stops it (no ``on_change`` after it returns)."""
 
     async def close(self) -> None: ...
+
+
+# ---- versioned reads and compare-and-set (shard leases) ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned:
+    """A document as one read saw it: fields and update time, both None when it was missing."""
+
+    fields: Fields | None
+    update_time_us: int | None
+
+
+def compare_and_set(path: str, fields: Mapping[str, Any], update_time_us: int | None) -> Write:
+    """Replace ``path`` only if it is still the version read with ``update_time_us``; None: create it
+    (the read found it missing). Either way a concurrent writer makes this write fail, not win."""
+    if update_time_us is None:
+        return create(path, fields)
+    return Write(path, fields, None, None, update_time_us)

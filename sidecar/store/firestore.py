@@ -9,7 +9,8 @@ library change fails at start, not mid-run. ``FIRESTORE_EMULATOR_HOST`` is honou
 
 Errors from Google's libraries are translated here, once: ``_RETRYABLE`` -> ``documents.Unavailable``
 (for a write: it may have applied); ``_INPUT_ERRORS`` -> ``documents.RequestRejected``; ALREADY_EXISTS
-from Commit -> ``documents.AlreadyExists``; anything else (permission, missing database or index) ->
+from Commit -> ``documents.AlreadyExists``; FAILED_PRECONDITION from Commit (an ``update_time``
+precondition) -> ``documents.PreconditionFailed``; anything else (permission, missing database or index) ->
 ``documents.Misconfigured``.
 
 ``listen`` is the exception to "raw protobufs through the async client": it runs the official sync
@@ -208,6 +209,8 @@ class FirestoreDocuments:
                 raw.update_mask.field_paths.extend(write.mask)
         if write.exists is not None:
             raw.current_document.exists = write.exists
+        elif write.update_time_us is not None:
+            raw.current_document.update_time.FromMicroseconds(write.update_time_us)
         return raw
 
     async def commit(self, writes: Sequence[docs.Write], fences: Sequence[docs.Fence] = ()) -> None:
@@ -222,6 +225,9 @@ class FirestoreDocuments:
                 retry=None,
                 timeout=self._timeout,
             )
+        except core_exceptions.FailedPrecondition as exc:
+            # On a Commit (no query, so no missing index) this is an update_time precondition.
+            raise docs.PreconditionFailed(f"commit: {exc}") from exc
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "commit") from exc
 
@@ -329,6 +335,35 @@ class FirestoreDocuments:
             elif raw.missing:
                 found[names[raw.missing]] = None
         return found
+
+    async def get_versioned(self, paths: Sequence[str]) -> tuple[int, dict[str, docs.Versioned]]:
+        if not paths:
+            raise ValueError("get_versioned: no paths (a read time needs at least one document)")
+        names = {self._name(path): path for path in paths}
+        request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
+        found: dict[str, docs.Versioned] = {}
+        read_us = 0
+        try:
+            stream = await self.client._firestore_api.batch_get_documents(
+                request=BatchGetDocumentsRequest.wrap(request),
+                metadata=self.client._rpc_metadata,
+                retry=_READ_RETRY,
+                timeout=self._timeout,
+            )
+            async for response in stream:
+                raw = response._pb
+                # Every response of one BatchGetDocuments carries the same read time.
+                read_us = max(read_us, raw.read_time.ToMicroseconds())
+                if raw.HasField("found"):
+                    fields = {name: _get_value(value) for name, value in raw.found.fields.items()}
+                    found[names[raw.found.name]] = docs.Versioned(fields, raw.found.update_time.ToMicroseconds())
+                elif raw.missing:
+                    found[names[raw.missing]] = docs.Versioned(None, None)
+        except (*_RETRYABLE, *_TERMINAL) as exc:
+            raise _translate(exc, "read") from exc
+        if not read_us:
+            raise docs.Unavailable("read: Firestore answered a batch read without a read time")
+        return read_us, found
 
     async def query(
         self,

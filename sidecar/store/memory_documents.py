@@ -12,6 +12,12 @@ Fenced commits check their fences and apply their writes in one step (``docs.Fen
 fence fails, nothing applied), and count one read per fence document, as Firestore's read-write
 transaction does.
 
+Versions: every document keeps an update time in microseconds from ``clock_us`` (injectable; wall
+time by default), strictly increasing from one commit to the next (one BatchWrite write is one
+commit), and a write that leaves the fields unchanged keeps the previous one, as Firestore's
+WriteResult does. ``update_time_us`` preconditions compare with it exactly; ``get_versioned``
+answers with a read time no earlier than any update time handed out.
+
 Faults for the simulation: ``before_write`` is called with ("commit" | "batch_write", writes) before
 anything applies (fences included) and may raise (the write did not happen); ``after_write`` is called after the
 writes applied and may raise (the write happened, the caller never hears so: an ambiguous failure).
@@ -41,9 +47,17 @@ from sidecar.store.api import StoreError
 WriteHook = Callable[[str, Sequence[docs.Write]], None]
 
 
+def _wall_clock_us() -> int:
+    return time.time_ns() // 1000
+
+
 class MemoryDocuments:
-    def __init__(self) -> None:
+    def __init__(self, clock_us: Callable[[], int] = _wall_clock_us) -> None:
         self.docs: dict[str, docs.Fields] = {}
+        self.update_times: dict[str, int] = {}
+        """Path -> update time (microseconds) of the stored version."""
+        self._clock_us = clock_us
+        self._last_us = 0
         self.before_write: WriteHook | None = None
         self.after_write: WriteHook | None = None
         self.reads = 0
@@ -65,13 +79,18 @@ class MemoryDocuments:
             if failed:
                 raise docs.fenced_error("commit", failed)
         staged = dict(self.docs)
+        times = dict(self.update_times)
+        commit_us = self._tick()
         for write in writes:
-            code, message = self._apply(staged, write)
+            code, message = self._apply(staged, times, write, commit_us)
             if code == docs.ALREADY_EXISTS:
                 raise docs.AlreadyExists(f"commit: {message}")
+            if code == docs.FAILED_PRECONDITION:
+                raise docs.PreconditionFailed(f"commit: {message}")
             if code != docs.OK:
                 raise docs.RequestRejected(f"commit: {message}")
         self.docs = staged
+        self.update_times = times
         self._count(writes)
         self._notify_listens([write.path for write in writes])
         if self.after_write is not None:
@@ -86,7 +105,7 @@ class MemoryDocuments:
         statuses = []
         applied = []
         for write in writes:
-            status = self._apply(self.docs, write)
+            status = self._apply(self.docs, self.update_times, write, self._tick())
             statuses.append(status)
             if status[0] == docs.OK:
                 applied.append(write)
@@ -100,6 +119,16 @@ class MemoryDocuments:
         self._check_open()
         self.reads += max(1, len(paths)) if paths else 0
         return {path: copy.deepcopy(self.docs.get(path)) for path in paths}
+
+    async def get_versioned(self, paths: Sequence[str]) -> tuple[int, dict[str, docs.Versioned]]:
+        if not paths:
+            raise ValueError("get_versioned: no paths (a read time needs at least one document)")
+        self._check_open()
+        self.reads += len(paths)
+        read_us = self.listen_tick()
+        return read_us, {
+            path: docs.Versioned(copy.deepcopy(self.docs.get(path)), self.update_times.get(path)) for path in paths
+        }
 
     async def query(
         self,
@@ -149,27 +178,17 @@ class MemoryDocuments:
         return listening
 
     _listens: list[_MemoryListening] | None = None
-    _listen_clock: _ListenClock | None = None
-    _update_times: dict[str, int] | None = None
 
     def update_time_us(self, path: str) -> int:
-        """The listen twin's update time of a stored document (0 if it was never written through us)."""
-        return (self._update_times or {}).get(path, 0)
+        """A stored document's update time (0 if it was never written through us)."""
+        return self.update_times.get(path, 0)
 
     def listen_tick(self) -> int:
-        if self._listen_clock is None:
-            self._listen_clock = _ListenClock()
-        return self._listen_clock.tick()
+        """A snapshot's read time: no earlier than any update time handed out (as ``get_versioned``)."""
+        return max(self._clock_us(), self._last_us)
 
     def _notify_listens(self, paths: Sequence[str]) -> None:
-        """After a write applied: new update times for ``paths``, then every listen looks at them."""
-        if self._update_times is None:
-            self._update_times = {}
-        for path in paths:
-            if path in self.docs:
-                self._update_times[path] = self.listen_tick()
-            else:
-                self._update_times.pop(path, None)
+        """After a write applied: every listen looks at the written documents."""
         for listening in list(self._listens or ()):
             listening.changed(paths)
 
@@ -193,6 +212,7 @@ class MemoryDocuments:
         ]
         for path in gone:
             del self.docs[path]
+            self.update_times.pop(path, None)
         self.deletes += len(gone)
         self._notify_listens(gone)
         return len(gone)
@@ -201,6 +221,12 @@ class MemoryDocuments:
         return copy.deepcopy(self.docs)
 
     # ---- internals ------------------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        """A commit time: the clock, but always later than the previous one (one version per time)."""
+        now = self._clock_us()
+        self._last_us = now if now > self._last_us else self._last_us + 1
+        return self._last_us
 
     def _check_open(self) -> None:
         if self.closed:
@@ -219,26 +245,51 @@ class MemoryDocuments:
                 self.writes += 1
 
     @staticmethod
-    def _apply(target: dict[str, docs.Fields], write: docs.Write) -> tuple[int, str]:
+    def _apply(
+        target: dict[str, docs.Fields], times: dict[str, int], write: docs.Write, commit_us: int
+    ) -> tuple[int, str]:
         current = target.get(write.path)
         if write.exists is False and current is not None:
             return docs.ALREADY_EXISTS, f"document already exists: {write.path}"
         if write.exists is True and current is None:
             return 5, f"no document to update: {write.path}"
+        if write.update_time_us is not None:
+            stored_us = times.get(write.path, 0) if current is not None else 0
+            if current is None or stored_us != write.update_time_us:
+                return docs.FAILED_PRECONDITION, (
+                    f"the stored version ({stored_us}) does not match the required base version "
+                    f"({write.update_time_us}): {write.path}"
+                )
         if write.fields is None:
             target.pop(write.path, None)
+            times.pop(write.path, None)
             return docs.OK, ""
         if write.mask is None:
-            target[write.path] = copy.deepcopy(dict(write.fields))
-            return docs.OK, ""
-        updated = dict(current or {})
-        for name in write.mask:
-            if name in write.fields:
-                updated[name] = copy.deepcopy(write.fields[name])
-            else:
-                updated.pop(name, None)
+            updated = copy.deepcopy(dict(write.fields))
+        else:
+            updated = dict(current or {})
+            for name in write.mask:
+                if name in write.fields:
+                    updated[name] = copy.deepcopy(write.fields[name])
+                else:
+                    updated.pop(name, None)
+        if current is not None and _same(updated, current):
+            return docs.OK, ""  # unchanged: the stored version and its update time stay
         target[write.path] = updated
+        times[write.path] = commit_us
         return docs.OK, ""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as Firestore compares stored values: types count (``True`` is not ``1``), and a list
+    and a tuple are both arrays."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[name], b[name]) for name in a)
+    return bool(a == b)
 
 
 def _sortable(value: Any) -> Any:
@@ -264,18 +315,6 @@ def _matches(fields: docs.Fields, where: docs.Filter) -> bool:
         return bool(value == where.value)
     a, b = _sortable(value), _sortable(where.value)
     return bool(a[0] == b[0] and a >= b)
-
-
-class _ListenClock:
-    """Strictly increasing wall-clock microseconds: update and read times of the listen twin."""
-
-    def __init__(self) -> None:
-        self._last = 0
-
-    def tick(self) -> int:
-        now = time.time_ns() // 1000
-        self._last = now if now > self._last else self._last + 1
-        return self._last
 
 
 class _MemoryListening:

@@ -1,0 +1,111 @@
+"""Managers under test: one ``ShardLeases`` per member with its callbacks recorded, a checker that
+no two members hold one shard at one instant, and polling with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from sidecar.leases import ShardLeases
+from sidecar.leases.manager import _monotonic_ms
+from sidecar.leases.planner import fair_share
+from sidecar.store import documents as docs
+
+SUB_PATH = "pubsub-sidecar/orders"
+
+
+class Member:
+    """One pod's lease manager; ``events`` records (what, shard, epoch) in the order they happened."""
+
+    def __init__(
+        self,
+        documents: docs.Documents,
+        name: str,
+        shards: int,
+        *,
+        lease_ms: int,
+        monotonic_ms: Callable[[], int] = _monotonic_ms,
+    ) -> None:
+        self.name = name
+        self.documents = documents
+        self.events: list[tuple[str, int, int]] = []
+        self.gain_gate: asyncio.Event | None = None
+        self.leases = ShardLeases(
+            documents,
+            SUB_PATH,
+            shards,
+            name,
+            lease_ms=lease_ms,
+            monotonic_ms=monotonic_ms,
+            on_gained=self._gained,
+            on_lost=self._lost,
+            before_release=self._before_release,
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.leases.run())
+
+    async def stop(self) -> None:
+        """Cancel the task (kill -9, or a pause when started again later): no release."""
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+            self.task = None
+
+    async def _gained(self, shard: int, epoch: int) -> None:
+        self.events.append(("gained", shard, epoch))
+        if self.gain_gate is not None:
+            await self.gain_gate.wait()
+        self.events.append(("loaded", shard, epoch))
+
+    def _lost(self, shard: int, epoch: int) -> None:
+        self.events.append(("lost", shard, epoch))
+
+    async def _before_release(self, shard: int) -> None:
+        self.events.append(("before_release", shard, self.leases.holds(shard) or -1))
+
+
+class OverlapChecker:
+    """Samples every member's ``holds`` often, recording any shard two members hold at once."""
+
+    def __init__(self, members: list[Member], shards: int) -> None:
+        self.members = members
+        self.shards = shards
+        self.overlaps: list[str] = []
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            for shard in range(self.shards):
+                holders = [m.name for m in self.members if m.leases.holds(shard) is not None]
+                if len(holders) > 1:
+                    self.overlaps.append(f"shard {shard} held by {holders}")
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        assert not self.overlaps, self.overlaps[:5]
+
+
+async def wait_until(predicate: Callable[[], bool], what: str, timeout_seconds: float = 20.0) -> float:
+    """Poll ``predicate`` until true; returns the seconds it took. Fails naming ``what`` at the deadline."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_seconds:
+            raise AssertionError(f"not within {timeout_seconds} s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def balanced(members: list[Member], shards: int) -> bool:
+    """Every shard held by exactly one of ``members``, each holding floor(S/P) or ceil(S/P)."""
+    owned = [m.leases.owned() for m in members]
+    held = sorted(shard for o in owned for shard in o)
+    base, ceiling = fair_share(shards, len(members))
+    return held == list(range(shards)) and all(base <= len(o) <= ceiling for o in owned)

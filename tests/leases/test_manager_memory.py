@@ -1,0 +1,331 @@
+"""ShardLeases over MemoryDocuments (Firestore's rules in memory): balancing, failover, the local
+deadline, bad lease documents, store outages, a wall clock far off, and the constructor's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+
+import pytest
+from lease_harness import SUB_PATH, Member, OverlapChecker, balanced, wait_until
+
+from sidecar.leases import LeaseLayoutError, ShardLeases
+from sidecar.leases.layout import lease_fields, lease_path
+from sidecar.store import documents as docs
+from sidecar.store.api import ShardLost
+from sidecar.store.memory_documents import MemoryDocuments
+
+LEASE_MS = 600
+SHARDS = 8
+
+
+async def _noop_gained(shard: int, epoch: int) -> None:
+    return None
+
+
+async def _noop_release(shard: int) -> None:
+    return None
+
+
+def _manager(documents: docs.Documents, **kwargs: object) -> ShardLeases:
+    arguments: dict[str, object] = {
+        "lease_ms": LEASE_MS,
+        "on_gained": _noop_gained,
+        "on_lost": lambda shard, epoch: None,
+        "before_release": _noop_release,
+    }
+    arguments.update(kwargs)
+    return ShardLeases(documents, SUB_PATH, SHARDS, "pod-a", **arguments)  # type: ignore[arg-type]
+
+
+async def test_one_manager_takes_every_shard_at_epoch_one_and_keeps_renewing() -> None:
+    documents = MemoryDocuments()
+    member = Member(documents, "pod-a", SHARDS, lease_ms=LEASE_MS)
+    member.start()
+    try:
+        await wait_until(lambda: member.leases.owned() == dict.fromkeys(range(SHARDS), 1), "all shards held")
+        renewals = member.leases.stats.renewals
+        await wait_until(lambda: member.leases.stats.renewals >= renewals + 3 * SHARDS, "three more renewal rounds")
+        assert member.leases.owned() == dict.fromkeys(range(SHARDS), 1)
+        stored = documents.snapshot()[lease_path(SUB_PATH, 3)]
+        assert (stored["owner"], stored["epoch"], stored["wanted_by"], stored["shards"]) == ("pod-a", 1, "", SHARDS)
+        assert member.leases.fence(3) == docs.Fence(lease_path(SUB_PATH, 3), {"owner": "pod-a", "epoch": 1})
+        assert [e for e in member.events if e[0] == "lost"] == []
+    finally:
+        await member.stop()
+
+
+async def test_three_managers_balance_and_a_fourth_gets_its_share_without_overlap() -> None:
+    documents = MemoryDocuments()
+    members = [Member(documents, f"pod-{i}", 16, lease_ms=LEASE_MS) for i in range(3)]
+    checker = OverlapChecker(members, 16)
+    for member in members:
+        member.start()
+    try:
+        await wait_until(lambda: balanced(members, 16), "3 pods balanced over 16 shards (5 or 6 each)")
+        newcomer = Member(documents, "pod-3", 16, lease_ms=LEASE_MS)
+        members.append(newcomer)
+        newcomer.start()
+        await wait_until(lambda: balanced(members, 16), "4 pods balanced over 16 shards (4 each)")
+        handed = sum(m.leases.stats.handovers for m in members)
+        assert handed >= 4 and newcomer.leases.stats.asks >= 4
+    finally:
+        for member in members:
+            await member.stop()
+        await checker.close()
+
+
+async def test_release_all_drains_then_hands_over_and_a_poked_manager_holds_them_within_a_round() -> None:
+    documents = MemoryDocuments()
+    leaving, staying = (Member(documents, name, SHARDS, lease_ms=LEASE_MS) for name in ("pod-a", "pod-b"))
+    checker = OverlapChecker([leaving, staying], SHARDS)
+    leaving.start()
+    staying.start()
+    try:
+        await wait_until(lambda: balanced([leaving, staying], SHARDS), "2 pods balanced")
+        held = set(leaving.leases.owned())
+        drained: list[set[int]] = []
+
+        async def drain(shards: set[int]) -> None:
+            # Still held while the runtime drains (its acks need the fence).
+            assert set(leaving.leases.owned()) == shards
+            drained.append(shards)
+
+        before = len(leaving.events)
+        releases = leaving.leases.stats.releases
+        start = time.monotonic()
+        await leaving.leases.release_all(drain)
+        staying.leases.poke()  # as a Listen on the lease documents would
+        await wait_until(lambda: len(staying.leases.owned()) == SHARDS, "the staying pod holds every shard")
+        handover_seconds = time.monotonic() - start
+        assert drained == [held]
+        assert leaving.leases.owned() == {}
+        assert sorted(s for what, s, _ in leaving.events[before:] if what == "lost") == sorted(held)
+        assert leaving.leases.stats.releases == releases + len(held) and leaving.leases.stats.lost == 0
+        # Well under a lease: no expiry was waited for.
+        assert handover_seconds < LEASE_MS / 1000, handover_seconds
+    finally:
+        await leaving.stop()
+        await staying.stop()
+        await checker.close()
+
+
+async def test_a_killed_manager_loses_its_shards_at_its_deadline_and_the_others_take_them_after_expiry() -> None:
+    documents = MemoryDocuments()
+    members = [Member(documents, f"pod-{i}", SHARDS, lease_ms=LEASE_MS) for i in range(3)]
+    checker = OverlapChecker(members, SHARDS)
+    for member in members:
+        member.start()
+    try:
+        await wait_until(lambda: balanced(members, SHARDS), "3 pods balanced")
+        victim, survivors = members[0], members[1:]
+        held = set(victim.leases.owned())
+        before = len(victim.events)
+        await victim.stop()
+        killed = time.monotonic()
+        # The timer drops them locally (on_lost) when the safety margin passes, without a round.
+        await wait_until(
+            lambda: {s for what, s, _ in victim.events[before:] if what == "lost"} == held, "on_lost by timer"
+        )
+        assert victim.leases.owned() == {}
+        await wait_until(lambda: balanced(survivors, SHARDS), "the survivors hold every shard")
+        assert time.monotonic() - killed >= LEASE_MS / 1000  # not before the lease expired
+        epochs = {s: e for m in survivors for s, e in m.leases.owned().items()}
+        assert all(epochs[s] >= 2 for s in held)
+    finally:
+        for member in members:
+            await member.stop()
+        await checker.close()
+
+
+async def test_a_paused_manager_stops_holding_at_its_deadline_before_any_timer_or_round_runs() -> None:
+    """A pod frozen past its margin (SIGSTOP, GC): on waking, ``holds`` compares with the clock at once."""
+    documents = MemoryDocuments()
+    clock = [1_000_000]
+    member = Member(documents, "pod-a", SHARDS, lease_ms=LEASE_MS, monotonic_ms=lambda: clock[0])
+    member.start()
+    try:
+        await wait_until(lambda: len(member.leases.owned()) == SHARDS, "all shards held")
+        await member.stop()
+        clock[0] += LEASE_MS  # the process slept through its lease; no callback has run since
+        assert member.leases.owned() == {} and member.leases.holds(0) is None
+        with pytest.raises(ShardLost) as raised:
+            member.leases.fence(0)
+        assert raised.value.shards == frozenset({0})
+    finally:
+        await member.stop()
+
+
+async def test_a_paused_manager_restarted_after_others_took_over_learns_it_lost_and_never_overlaps() -> None:
+    documents = MemoryDocuments()
+    members = [Member(documents, f"pod-{i}", SHARDS, lease_ms=LEASE_MS) for i in range(2)]
+    checker = OverlapChecker(members, SHARDS)
+    for member in members:
+        member.start()
+    try:
+        await wait_until(lambda: balanced(members, SHARDS), "2 pods balanced")
+        paused, other = members
+        held = paused.leases.owned()
+        before = len(paused.events)
+        await paused.stop()
+        await wait_until(lambda: len(other.leases.owned()) == SHARDS, "the other pod took every shard")
+        paused.start()
+        await wait_until(lambda: balanced(members, SHARDS), "balanced again")
+        lost = [(s, e) for what, s, e in paused.events[before:] if what == "lost"]
+        assert sorted(lost) == sorted(held.items())
+        assert all(e > held.get(s, 0) for s, e in paused.leases.owned().items() if s in held)
+    finally:
+        for member in members:
+            await member.stop()
+        await checker.close()
+
+
+async def test_on_gained_is_awaited_before_the_shard_counts_as_held_and_renewals_go_on_meanwhile() -> None:
+    documents = MemoryDocuments()
+    member = Member(documents, "pod-a", 2, lease_ms=LEASE_MS)
+    member.gain_gate = asyncio.Event()
+    member.start()
+    try:
+        await wait_until(lambda: len([e for e in member.events if e[0] == "gained"]) == 2, "both shards gained")
+        renewals = member.leases.stats.renewals
+        await wait_until(lambda: member.leases.stats.renewals >= renewals + 4, "renewals while loading")
+        assert member.leases.owned() == {} and member.leases.holds(0) is None
+        member.gain_gate.set()
+        await wait_until(lambda: member.leases.owned() == {0: 1, 1: 1}, "held once loaded")
+    finally:
+        await member.stop()
+
+
+async def test_a_fenced_write_refused_by_the_store_drops_the_shard_at_once() -> None:
+    documents = MemoryDocuments()
+    member = Member(documents, "pod-a", 2, lease_ms=LEASE_MS)
+    member.start()
+    try:
+        await wait_until(lambda: member.leases.owned() == {0: 1, 1: 1}, "both held")
+        member.leases.shard_lost(0, 1)
+        assert member.leases.holds(0) is None and ("lost", 0, 1) in member.events
+        await wait_until(lambda: member.leases.holds(0) == 2, "taken again at a new epoch")
+    finally:
+        await member.stop()
+
+
+async def test_store_outage_loses_the_shards_at_the_deadline_then_they_are_taken_again() -> None:
+    documents = MemoryDocuments()
+    member = Member(documents, "pod-a", 2, lease_ms=LEASE_MS)
+    member.start()
+    try:
+        await wait_until(lambda: member.leases.owned() == {0: 1, 1: 1}, "both held")
+        real_read = documents.get_versioned
+
+        async def unavailable(paths: Sequence[str]) -> tuple[int, dict[str, docs.Versioned]]:
+            raise docs.Unavailable("read: Firestore unavailable (test)")
+
+        documents.get_versioned = unavailable  # type: ignore[method-assign]
+        await wait_until(lambda: member.leases.owned() == {}, "lost at the deadline")
+        assert member.leases.stats.read_failures >= 1 and member.leases.stats.lost == 2
+        documents.get_versioned = real_read  # type: ignore[method-assign]
+        await wait_until(lambda: member.leases.owned() == {0: 2, 1: 2}, "taken again at new epochs")
+    finally:
+        await member.stop()
+
+
+async def test_failed_writes_count_as_renewal_failures_and_the_shards_are_lost_at_the_deadline() -> None:
+    documents = MemoryDocuments()
+    member = Member(documents, "pod-a", 2, lease_ms=LEASE_MS)
+    member.start()
+    try:
+        await wait_until(lambda: member.leases.owned() == {0: 1, 1: 1}, "both held")
+
+        def refuse(kind: str, writes: Sequence[docs.Write]) -> None:
+            raise docs.Unavailable("batch write: Firestore unavailable (test)")
+
+        documents.before_write = refuse
+        await wait_until(lambda: member.leases.owned() == {}, "lost at the deadline")
+        assert member.leases.stats.renewal_failures >= 2
+    finally:
+        await member.stop()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"v": 2}, "layout version 2 was written by a newer sidecar"),
+        ({"epoch": "7"}, "field 'epoch' is str '7', not a non-negative integer (corrupt)"),
+        ({"owner": None}, "field 'owner' is missing, not a string (corrupt)"),
+        ({"shards": 4}, "written with shards=4, this pod is configured with shards=8"),
+    ],
+)
+async def test_a_lease_document_it_must_not_read_stops_the_manager_and_is_never_overwritten(
+    change: dict[str, object], message: str
+) -> None:
+    documents = MemoryDocuments()
+    path = lease_path(SUB_PATH, 5)
+    await documents.commit([docs.create(path, {**lease_fields(SHARDS, "pod-z", 3, 9, LEASE_MS, ""), **change})])
+    before = documents.snapshot()
+    manager = _manager(documents)
+    with pytest.raises(LeaseLayoutError) as raised:
+        await asyncio.wait_for(manager.run(), 5)
+    assert path in str(raised.value) and message in str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert documents.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shard_count": 0}, "sharding.shards: must be an integer from 1 to 1024, got 0"),
+        ({"shard_count": 2000}, "sharding.shards"),
+        ({"lease_ms": 100}, "sharding.lease_duration: must be from 300 ms to 600000 ms, got 100 ms"),
+        ({"pod_id": " "}, "pod id: must be a non-empty string"),
+        ({"sub_path": "/x/"}, "subscription path"),
+    ],
+)
+def test_constructor_refuses_bad_values_naming_them(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"sub_path": SUB_PATH, "shard_count": SHARDS, "pod_id": "pod-a", **kwargs}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ShardLeases(
+            MemoryDocuments(),
+            arguments["sub_path"],  # type: ignore[arg-type]
+            arguments["shard_count"],  # type: ignore[arg-type]
+            arguments["pod_id"],  # type: ignore[arg-type]
+            lease_ms=kwargs.get("lease_ms", LEASE_MS),  # type: ignore[arg-type]
+            on_gained=_noop_gained,
+            on_lost=lambda shard, epoch: None,
+            before_release=_noop_release,
+        )
+
+
+async def test_a_wall_clock_minutes_off_changes_nothing_because_nothing_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The database keeps its own clock; the pods' wall clock is 7 minutes ahead and must stay unread."""
+    real_time_ns = time.time_ns
+    documents = MemoryDocuments(clock_us=lambda: real_time_ns() // 1000)
+    readers: list[str] = []
+    off_ns = 7 * 60 * 10**9
+
+    def far_off_time() -> float:
+        readers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return (real_time_ns() + off_ns) / 1e9
+
+    def far_off_time_ns() -> int:
+        readers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return real_time_ns() + off_ns
+
+    monkeypatch.setattr(time, "time", far_off_time)
+    monkeypatch.setattr(time, "time_ns", far_off_time_ns)
+    members = [Member(documents, f"pod-{i}", SHARDS, lease_ms=LEASE_MS) for i in range(2)]
+    checker = OverlapChecker(members, SHARDS)
+    for member in members:
+        member.start()
+    try:
+        await wait_until(lambda: balanced(members, SHARDS), "2 pods balanced")
+        await members[0].stop()
+        await wait_until(lambda: len(members[1].leases.owned()) == SHARDS, "failover after the lease")
+    finally:
+        for member in members:
+            await member.stop()
+        await checker.close()
+    assert [name for name in readers if name.startswith("sidecar.leases")] == []
