@@ -447,6 +447,11 @@ class FirestoreDocuments:
         query: Any = self._watch_client.collection(f"{parent}/{collection}" if parent else collection)
         for condition in where:
             query = query.where(filter=FieldFilter(condition.field, _WATCH_OPERATORS[condition.op], condition.value))
+        if not where:
+            # A whole collection: the watch takes a Query, not a CollectionReference. ``_query()`` is
+            # the collection's own plain query (what its public methods start from); an explicit
+            # ``order_by(__name__)`` would change the target the watch resumes.
+            query = query._query()
         listening = _Listening(asyncio.get_running_loop(), on_change, on_error, self._listens)
         listening.start(query)
         return listening

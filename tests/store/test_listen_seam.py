@@ -231,3 +231,21 @@ async def test_memory_expiry_removes_from_the_result() -> None:
     assert seen.changes[-1].removals == ["a"]
     await listening.close()
 
+
+
+async def test_a_whole_collection_without_filters(store: Any) -> None:
+    # The lease documents are watched whole: every renewal, take or release is a change.
+    leases = f"{_PARENT}/leases"
+    await store.commit([docs.replace(f"{leases}/0000", {"owner": "a", "epoch": 1})])
+    seen = Changes()
+    listening = store.listen(_PARENT, "leases", [], seen.on_change, seen.on_error)
+    try:
+        await seen.until(lambda c: "0000" in c.state, "the initial snapshot")
+        await store.commit([docs.replace(f"{leases}/0001", {"owner": "b", "epoch": 1})])
+        await store.commit([docs.replace(f"{leases}/0000", {"owner": "", "epoch": 2})])
+        await seen.until(
+            lambda c: c.state.get("0000", {}).get("epoch") == 2 and "0001" in c.state, "the take and the release"
+        )
+        assert not seen.errors
+    finally:
+        await listening.close()
