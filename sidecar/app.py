@@ -275,8 +275,22 @@ def _listen_leases(documents: docs.Documents, leases: ShardLeases, sub_path: str
     """A Listen on the subscription's lease documents: any change (a release, a request, a take)
     runs a lease round at once instead of at the next renewal."""
 
-    def on_change(_change: docs.Change) -> None:
-        leases.poke()
+    seen: dict[str, tuple[object, object, object]] = {}
+
+    def on_change(change: docs.Change) -> None:
+        # Renewals (``beat``) change nothing to act on; a take, hand-over, release or request does.
+        # Poking on every renewal would make every pod's renewal start a round at every other pod.
+        if change.initial:
+            seen.clear()
+        relevant = bool(change.removals)
+        for doc_id, fields, _ in change.upserts:
+            state = (fields.get("owner"), fields.get("epoch"), fields.get("wanted_by"))
+            relevant |= seen.get(doc_id) != state
+            seen[doc_id] = state
+        for doc_id in change.removals:
+            seen.pop(doc_id, None)
+        if relevant and not change.initial:
+            leases.poke()
 
     def on_error(error: StoreError) -> None:
         # The rounds still run every third of a lease: hand-overs are seen later, nothing is lost.
