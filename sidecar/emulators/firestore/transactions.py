@@ -152,7 +152,7 @@ class TransactionManager:
     def _older_readers(self, tx: Transaction, names: Iterable[str]) -> list[Transaction]:
         blockers = []
         for name in names:
-            for reader_id in self._readers.get(name, ()):
+            for reader_id in list(self._readers.get(name, ())):  # end() below may shrink the set
                 reader = self._live.get(reader_id)
                 if reader is None or reader is tx or reader.priority >= tx.priority:
                     continue

@@ -243,3 +243,21 @@ async def test_async_transactions_increment_and_create_race(aclient: firestore.A
             return False
 
     assert sorted(await asyncio.gather(*(create(i) for i in range(8)))) == [False] * 7 + [True]
+
+
+async def test_expired_older_readers_found_while_waiting_are_ended_without_breaking_the_scan() -> None:
+    # Two older transactions read one document and then expire; a younger one asking for its turn
+    # ends them while it scans that document's readers (the scan once failed with "Set changed size
+    # during iteration", an INTERNAL error for a fenced commit).
+    from sidecar.emulators.firestore.transactions import MAX_IDLE_SECONDS, TransactionManager
+
+    now = [1000.0]
+    manager = TransactionManager(monotonic=lambda: now[0])
+    name = "projects/p/databases/(default)/documents/c/d"
+    older = [manager.begin(False, None), manager.begin(False, None)]
+    for tx in older:
+        manager.record_read(tx, name, None)
+    now[0] += MAX_IDLE_SECONDS + 1
+    younger = manager.begin(False, None)
+    await manager.wait_turn(younger, [name])
+    assert all(manager.find(tx.id) is None for tx in older)
