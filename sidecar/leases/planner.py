@@ -101,7 +101,7 @@ def plan(
     """The writes of one round. ``views``: every shard's lease from one read; ``held``: shard ->
     epoch this pod holds now (within its safety margin, or being loaded)."""
     views = sorted(views, key=lambda v: v.shard)
-    lost = frozenset(s for s, e in held.items() if not _names(views_at(views, s), me, e))
+    lost = frozenset(s for s, e in held.items() if not _names(_view_at(views, s), me, e))
     mine = [v for v in views if v.shard in held and v.shard not in lost]
     stray = [v for v in views if v.exists and v.owner == me and (v.shard not in held or v.shard in lost)]
     writes: list[LeaseWrite] = []
@@ -144,7 +144,7 @@ def plan(
     return Plan(tuple(sorted(writes, key=lambda w: w.shard)), lost, len(live))
 
 
-def views_at(views: Sequence[LeaseView], shard: int) -> LeaseView | None:
+def _view_at(views: Sequence[LeaseView], shard: int) -> LeaseView | None:
     index = shard if 0 <= shard < len(views) and views[shard].shard == shard else None
     if index is not None:
         return views[index]
