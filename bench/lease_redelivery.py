@@ -127,7 +127,9 @@ async def measure(emulators: EmulatorsProcess, pubsub: PubSub, extension: str, a
         topic = world.topic
 
         # 2. slow acks: separate batches queue for the two persist slots
-        emulators.add_fault(service="firestore", method="BatchWrite", code=None, delay_seconds=args.slow_persist)
+        emulators.add_fault(
+            service="firestore", method="BatchWrite", code=None, delay_seconds=args.slow_persist, writes_to="/messages/"
+        )
         started = time.monotonic()
         for index in range(args.slow_batches):
             data, attributes = order_message(f"slow{index}", 1)

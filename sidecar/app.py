@@ -228,6 +228,11 @@ class Sidecar:
             if s.leases is not None and s.listen_leases is not None:
                 s.lease_listen = s.listen_leases()
                 watchers[asyncio.ensure_future(s.leases.run())] = f"shard leases of {name}"
+                # Ingest after the first round's shards are loaded (bounded: a slow load only costs
+                # a few messages stored for their owner, which is this pod, through the inbox).
+                lease_seconds = s.config.sharding.lease_duration_ms / 1000
+                if not await s.leases.settled(timeout_seconds=lease_seconds):
+                    _LOGGER.info("subscription %s: ingest starts before the first shards are loaded", name)
             await s.ingestor.start()
             watchers[asyncio.ensure_future(s.ingestor.run())] = f"ingest of {name}"
             if s.watermark is not None:

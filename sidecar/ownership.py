@@ -2,12 +2,13 @@
 
 ``sidecar.leases`` decides which shards this pod owns; this module carries each decision out:
 
-- **Gained** (``on_gained``, awaited before the lease counts as held for delivery): the runtime
-  loads the shard from the store (a handover is a recovery) and delivers its keys; then a Listen
-  on the shard's inbox (messages other pods stored for it) feeds the runtime, as ingest does. The
-  Listen starts after the load, and its first snapshot holds every inbox document, so nothing
-  stored between the two is missed; a message seen by both is dropped by the engine as a
-  duplicate of what it holds.
+- **Gained** (``on_gained``, awaited before the lease counts as held for delivery): a Listen on the
+  shard's inbox (messages other pods stored for it) starts first, and its first snapshot is only
+  waited for (bounded by ``_FIRST_SNAPSHOT_SECONDS``), not handed over; then the runtime loads the
+  shard from the store (a handover is a recovery), whose read is later than that snapshot and so
+  holds everything in it. Later inbox changes feed the runtime as ingest does; those that arrive
+  during the load are kept and handed over after it. A message both loaded and listened (stored
+  during the load) is dropped by the engine as a duplicate of what it holds.
 - **Lost** (``on_lost``: a failed renewal, another owner seen, the local deadline passed, or the
   store refusing a fenced write): the runtime drops the shard at once and its Listen closes.
 - **Handing over** (``before_release``: balancing, or SIGTERM through ``release_all``): the runtime
@@ -34,6 +35,10 @@ from sidecar.store.api import StoreError
 
 _LOGGER = logging.getLogger(__name__)
 
+_FIRST_SNAPSHOT_SECONDS = 10.0
+"""How long a gained shard's load waits for its inbox Listen's first snapshot. Past it the load goes
+ahead; the Listen, restarted or late, then hands over its whole first snapshot instead."""
+
 _LISTEN_RETRY_INITIAL_SECONDS = 0.2
 _LISTEN_RETRY_MAXIMUM_SECONDS = 10.0
 
@@ -51,6 +56,9 @@ class InboxSource(Protocol):
         shard: int,
         on_messages: Callable[[list[Message]], None],
         on_error: Callable[[StoreError], None],
+        *,
+        skip_initial: bool = False,
+        on_initial: Callable[[], None] | None = None,
     ) -> Listening: ...
 
 
@@ -64,14 +72,36 @@ class ShardOwnership:
         self._listens: dict[int, Listening] = {}
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._loading: dict[int, list[Message]] = {}
+        """Shards being loaded: inbox messages that arrived meanwhile, handed over after the load."""
         self.listen_failures = 0
         self.inbox_messages = 0
 
     # ---- lease manager callbacks -------------------------------------------------------------
 
     async def on_gained(self, shard: int, epoch: int) -> None:
-        await self._runtime.adopt_shard(shard, epoch)
-        self._start_listen(shard, epoch, attempt=0)
+        first_snapshot = asyncio.Event()
+        early: list[Message] = []
+        self._loading[shard] = early
+        try:
+            self._start_listen(shard, epoch, attempt=0, skip_initial=True, on_initial=first_snapshot.set)
+            try:
+                await asyncio.wait_for(first_snapshot.wait(), _FIRST_SNAPSHOT_SECONDS)
+            except TimeoutError:
+                _LOGGER.warning(
+                    "subscription %s: shard %d's inbox Listen gave no snapshot within %.0fs; loading anyway",
+                    self._runtime.name,
+                    shard,
+                    _FIRST_SNAPSHOT_SECONDS,
+                )
+            await self._runtime.adopt_shard(shard, epoch)
+        except BaseException:
+            self._stop_listen(shard)
+            raise
+        finally:
+            self._loading.pop(shard, None)
+        if early:
+            self._runtime.on_stored(early)
 
     def on_lost(self, shard: int, epoch: int) -> None:
         self._runtime.drop_shard(shard, epoch)
@@ -95,16 +125,26 @@ class ShardOwnership:
 
     # ---- inbox listens -----------------------------------------------------------------------
 
-    def _start_listen(self, shard: int, epoch: int, attempt: int) -> None:
+    def _start_listen(
+        self,
+        shard: int,
+        epoch: int,
+        attempt: int,
+        *,
+        skip_initial: bool = False,
+        on_initial: Callable[[], None] | None = None,
+    ) -> None:
         self._stop_listen(shard)
-        if self._runtime.shards().get(shard) != epoch:
+        if shard not in self._loading and self._runtime.shards().get(shard) != epoch:
             return  # lost (or re-gained at another epoch) meanwhile
 
         def on_messages(messages: list[Message]) -> None:
-            if self._runtime.shards().get(shard) != epoch:
-                return
             self.inbox_messages += len(messages)
-            self._runtime.on_stored(messages)
+            early = self._loading.get(shard)
+            if early is not None:
+                early.extend(messages)
+            elif self._runtime.shards().get(shard) == epoch:
+                self._runtime.on_stored(messages)
 
         def on_error(error: StoreError) -> None:
             self.listen_failures += 1
@@ -117,7 +157,9 @@ class ShardOwnership:
             self._listens.pop(shard, None)
             self._restarts[shard] = asyncio.ensure_future(self._restart_later(shard, epoch, attempt + 1))
 
-        self._listens[shard] = self._inbox.listen_inbox(self._runtime.name, shard, on_messages, on_error)
+        self._listens[shard] = self._inbox.listen_inbox(
+            self._runtime.name, shard, on_messages, on_error, skip_initial=skip_initial, on_initial=on_initial
+        )
 
     async def _restart_later(self, shard: int, epoch: int, attempt: int) -> None:
         await asyncio.sleep(backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS))

@@ -27,7 +27,9 @@ class FaultRule:
 
     ``service`` is "pubsub", "firestore" or "monitoring"; ``method`` the bare RPC name
     ("Commit", "StreamingPull") or "*". ``code`` None means delay only. ``remaining`` bounds how
-    many calls the rule fails (None: no bound).
+    many calls the rule fails (None: no bound). ``writes_to`` (Firestore Commit and BatchWrite) limits
+    the rule to requests writing a document whose name contains that text, e.g. "/messages/" slows
+    a sidecar's message writes and leaves its lease renewals alone.
     """
 
     service: str
@@ -37,9 +39,15 @@ class FaultRule:
     delay_seconds: float = 0.0
     remaining: int | None = None
     rule_id: int = 0
+    writes_to: str | None = None
 
-    def matches(self, service: str, method: str) -> bool:
-        return self.service == service and self.method in ("*", method)
+    def matches(self, service: str, method: str, request: Any = None) -> bool:
+        if self.service != service or self.method not in ("*", method):
+            return False
+        if self.writes_to is None:
+            return True
+        writes = getattr(request, "writes", None) or ()
+        return any(self.writes_to in (w.update.name or w.delete) for w in writes)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +58,7 @@ class FaultRule:
             "rate": self.rate,
             "delay_seconds": self.delay_seconds,
             "remaining": self.remaining,
+            "writes_to": self.writes_to,
         }
 
     @classmethod
@@ -76,6 +85,9 @@ class FaultRule:
         remaining = body.get("remaining")
         if remaining is not None and int(remaining) < 0:
             raise ValueError("remaining: must not be negative")
+        writes_to = body.get("writes_to")
+        if writes_to is not None and (not isinstance(writes_to, str) or not writes_to):
+            raise ValueError("writes_to: must be a non-empty string (part of a document name)")
         return cls(
             service=service,
             method=str(body.get("method", "*")),
@@ -83,6 +95,7 @@ class FaultRule:
             rate=rate,
             delay_seconds=delay,
             remaining=None if remaining is None else int(remaining),
+            writes_to=writes_to,
         )
 
 
@@ -115,12 +128,12 @@ class FaultInjector:
         with self._lock:
             return list(self._rules)
 
-    def decide(self, service: str, method: str) -> tuple[float, grpc.StatusCode | None]:
+    def decide(self, service: str, method: str, request: Any = None) -> tuple[float, grpc.StatusCode | None]:
         """(delay in seconds, code to fail with or None) for one call."""
         delay = 0.0
         with self._lock:
             for rule in self._rules:
-                if not rule.matches(service, method):
+                if not rule.matches(service, method, request):
                     continue
                 delay = max(delay, rule.delay_seconds)
                 if rule.code is None or rule.remaining == 0:
@@ -156,8 +169,8 @@ class FaultInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grp
 
 
 def _wrap(handler: grpc.RpcMethodHandler, injector: FaultInjector, service: str, method: str) -> Any:
-    async def apply(context: grpc.aio.ServicerContext) -> None:
-        delay, code = injector.decide(service, method)
+    async def apply(context: grpc.aio.ServicerContext, request: Any = None) -> None:
+        delay, code = injector.decide(service, method, request)
         if delay:
             await asyncio.sleep(delay)
         if code is not None:
@@ -167,7 +180,7 @@ def _wrap(handler: grpc.RpcMethodHandler, injector: FaultInjector, service: str,
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await apply(context)
+            await apply(context, request)
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

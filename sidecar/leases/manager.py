@@ -40,6 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 
+from sidecar.backoff import backoff_seconds
 from sidecar.leases import planner
 from sidecar.leases.layout import LeaseView, lease_fields, lease_path, read_lease
 from sidecar.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
@@ -156,6 +157,9 @@ class ShardLeases:
         self._timer: asyncio.TimerHandle | None = None
         self._failure: BaseException | None = None
         self._random = random.Random()
+        self._rounds_done = 0
+        self._soon = 0
+        """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
         self.stats = LeaseStats()
 
     # ---- API for the runtime -------------------------------------------------------------------
@@ -174,9 +178,29 @@ class ShardLeases:
             self._raise_failure()
             delay_ms: float = self._period_ms
             if conflict:
-                delay_ms = self._random.uniform(0, self._period_ms * _CONFLICT_DELAY_SHARE)
+                # Soon, spread out (pods racing for one lease must not collide again), and backing
+                # off when rounds keep failing (an outage costs few calls).
+                ceiling = self._period_ms * _CONFLICT_DELAY_SHARE
+                delay_ms = 1000 * backoff_seconds(self._soon, ceiling / 1000, self._period_ms / 1000)
+                self._soon += 1
+            else:
+                self._soon = 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poked.wait(), delay_ms / 1000)
+
+    async def settled(self, timeout_seconds: float) -> bool:
+        """Wait until a round has completed and every shard taken so far is loaded; False on timeout.
+
+        For start-up: ingest then begins with the shards this pod could take at once already
+        delivering here, so a lone pod does not store its first messages for an owner (itself) it
+        has not become yet."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds
+        while self._rounds_done == 0 or any(h.gaining is not None for h in self._held.values()):
+            if loop.time() >= deadline or self._failure is not None:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def poke(self) -> None:
         """Run a round now (a lease document changed)."""
@@ -239,14 +263,16 @@ class ShardLeases:
     # ---- rounds ------------------------------------------------------------------------------
 
     async def _round(self) -> bool:
-        """One round in the current mode; True when a write lost a race (look again soon)."""
+        """One round in the current mode; True when it should run again soon: a write lost a race, or
+        the read or a write failed (a renewal retried at once keeps the lease through a blip, where
+        waiting a whole period could let the safety margin run out)."""
         async with self._lock:
             if self._left:
                 return False
             mode = self._mode
             views = await self._read()
             if views is None:
-                return False  # the next round, at the usual time, tries again
+                return True
             plan = planner.plan(views, self.pod_id, self._current_epochs(), self.lease_ms, mode)
             self.stats.pods = plan.pods
             for shard in plan.lost:
@@ -256,6 +282,7 @@ class ShardLeases:
             if giving:
                 await self._before_giving_up({w.shard for w in giving if w.shard in self._held})
                 conflict |= await self._send(giving)
+            self._rounds_done += 1
             return conflict
 
     async def _leave_round(self) -> bool:
@@ -326,8 +353,8 @@ class ShardLeases:
             # Maybe applied: the next round's read tells (a take that did apply shows this pod as
             # owner but not holding it, and is taken again at a new epoch).
             self.stats.renewal_failures += sum(1 for w in writes if w.action is Action.RENEW)
-            _LOGGER.warning("subscription %s: lease write failed, retrying next round: %s", self._subscription, exc)
-            return False
+            _LOGGER.warning("subscription %s: lease write failed, retrying soon: %s", self._subscription, exc)
+            return True
         conflict = False
         for write, (code, message) in zip(writes, statuses, strict=True):
             if code == docs.OK:
@@ -339,8 +366,9 @@ class ShardLeases:
                 self.stats.conflicts += 1
                 conflict = True
                 continue
+            conflict = True
             _LOGGER.warning(
-                "subscription %s: lease write (%s) of shard %d failed, retrying next round: %d %s",
+                "subscription %s: lease write (%s) of shard %d failed, retrying soon: %d %s",
                 self._subscription,
                 write.action.value,
                 write.shard,

@@ -290,10 +290,22 @@ class DocumentStore:
         shard: int,
         on_messages: Callable[[list[Message]], None],
         on_error: Callable[[StoreError], None],
+        *,
+        skip_initial: bool = False,
+        on_initial: Callable[[], None] | None = None,
     ) -> InboxListening:
         """Messages other pods stored for ``shard``'s owner, as they are committed (``sidecar.store.inbox``)."""
         sub = self._sub(subscription)
-        return listen_inbox(self._documents, self._reader, sub.path, shard, on_messages, on_error)
+        return listen_inbox(
+            self._documents,
+            self._reader,
+            sub.path,
+            shard,
+            on_messages,
+            on_error,
+            skip_initial=skip_initial,
+            on_initial=on_initial,
+        )
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._sub(subscription).forget(shards)

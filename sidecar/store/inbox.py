@@ -7,8 +7,12 @@ never, since the owner's tombstone (a whole-document replace) drops ``inbox`` an
 out of the result. Chunked payloads are read like recovery reads them.
 
 Only ``upserts`` matter: a removal is the owner's own tombstone (or a TTL delete) and says nothing
-new. A snapshot may be older than the owner's own writes (a Listen lags a little); the runtime
-deals with a copy it already finished (``SubscriptionRuntime._finished_elsewhere``).
+new. ``skip_initial``: the first snapshot (the whole inbox at that instant) is not handed over, only
+reported through ``on_initial``; the owner starts the Listen, waits for that, and then loads the
+shard, whose read is later and so holds all of it. Without it, every inbox message would reach the
+engine twice after a takeover (once loaded, once listened), and count as a duplicate. A snapshot
+may be older than the owner's own writes (a Listen lags a little); the runtime deals with a copy
+it already finished (``SubscriptionRuntime._finished_elsewhere``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def listen_inbox(
     shard: int,
     on_messages: Callable[[list[Message]], None],
     on_error: Callable[[StoreError], None],
+    *,
+    skip_initial: bool = False,
+    on_initial: Callable[[], None] | None = None,
 ) -> InboxListening:
     """Start listening on ``shard``'s inbox under ``sub_path``; ``on_messages`` gets each batch, decoded."""
     handle = InboxListening()
@@ -69,6 +76,10 @@ def listen_inbox(
             on_messages(messages)
 
     def on_change(change: docs.Change) -> None:
+        if change.initial and on_initial is not None:
+            on_initial()
+        if change.initial and skip_initial:
+            return
         found = [(doc_id, fields) for doc_id, fields, _ in change.upserts if fields.get("state") == layout.PENDING]
         if not found or handle.closed:
             return

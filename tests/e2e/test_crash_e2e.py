@@ -40,7 +40,9 @@ async def test_kill9_at_several_points_loses_nothing_keeps_order_and_never_redel
     # 1. Mid-ingest: Firestore answers slowly, so that at the kill a persist of the second half is
     # in flight (neither durable nor acked to Pub/Sub) while the first half is durable and acked.
     first, second = thirds[0][: len(thirds[0]) // 2], thirds[0][len(thirds[0]) // 2 :]
-    scenario.emulators.add_fault(service="firestore", method="BatchWrite", code=None, delay_seconds=1.0)
+    scenario.emulators.add_fault(
+        service="firestore", method="BatchWrite", code=None, delay_seconds=1.0, writes_to="/messages/"
+    )
     await scenario.pubsub.publish_all(sub.topic, first)
     await async_wait_until(lambda: len(app.seen) >= 1, "the first half to be stored and delivered")
     await scenario.pubsub.publish_all(sub.topic, second)

@@ -47,7 +47,9 @@ async def test_messages_pulled_by_a_killed_sidecar_are_redelivered_within_the_le
 ) -> None:
     sub = scenario.add_subscription("orders")
     emulators = scenario.emulators
-    emulators.add_fault(service="firestore", method="BatchWrite", code=None, delay_seconds=SLOW_ACK_SECONDS)
+    emulators.add_fault(
+        service="firestore", method="BatchWrite", code=None, delay_seconds=SLOW_ACK_SECONDS, writes_to="/messages/"
+    )
     sidecar = await scenario.start_sidecar()
     app = scenario.app(sub)
 
@@ -58,7 +60,9 @@ async def test_messages_pulled_by_a_killed_sidecar_are_redelivered_within_the_le
 
     # 2. Victims: pulled by the sidecar, held unpersisted by a Firestore that does not answer.
     emulators.clear_faults()
-    emulators.add_fault(service="firestore", method="BatchWrite", code=None, delay_seconds=HOLD_PERSIST_SECONDS)
+    emulators.add_fault(
+        service="firestore", method="BatchWrite", code=None, delay_seconds=HOLD_PERSIST_SECONDS, writes_to="/messages/"
+    )
     victim_ids = set(await scenario.pubsub.publish_all(sub.topic, [order_message(f"v{i}", 1) for i in range(VICTIMS)]))
 
     async def extended_leases() -> list[dict[str, object]] | None:
