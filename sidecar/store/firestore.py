@@ -257,7 +257,10 @@ class FirestoreDocuments:
                 )
                 return
             except core_exceptions.Aborted as exc:
-                aborted, retry_of = exc, transaction  # the server ended it; the retry keeps its age
+                # Usually the server ended it already; a Rollback makes sure no read of it lingers
+                # (an abandoned transaction holds its reads until it expires). The retry keeps its age.
+                aborted, retry_of = exc, transaction
+                await self._rollback(transaction)
             except (*_RETRYABLE, *_TERMINAL) as exc:
                 await self._rollback(transaction)
                 raise _translate(exc, "fenced commit") from exc
