@@ -130,6 +130,9 @@ def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime) -> 
         "watermark_lag_seconds": _seconds(sub, "watermark_lag"),
         "counts": _ordered_counts(dict(sub.counts)),
         "keys_detail": [key_to_dict(key, now) for key in sub.keys_detail],
+        "pod": sub.pod,
+        "shard_count": sub.shard_count,
+        "shards": [{"shard": shard.shard, "epoch": shard.epoch} for shard in sub.shards],
     }
 
 
@@ -200,6 +203,11 @@ def format_table(response: sidecar_pb2.GetStatusResponse, now: datetime, target:
 
 def _subscription_details(sub: dict[str, Any]) -> list[str]:
     lines = [f"{sub['name']}:"]
+    if sub["shard_count"]:
+        owned = " ".join(f"{s['shard']}@{s['epoch']}" for s in sub["shards"]) or "none"
+        lines.append(
+            f"  pod {sub['pod']}: owns {len(sub['shards'])} of {sub['shard_count']} shards (shard@epoch): {owned}"
+        )
     if sub["counts"]:
         lines.append("  counts: " + " ".join(f"{name}={value}" for name, value in sub["counts"].items()))
     waiting = [key for key in sub["keys_detail"] if key["state"] in WAITING_STATES]

@@ -27,7 +27,7 @@ NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 SUBSCRIPTION_FIELDS = [
     "name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age_seconds",
-    "watermark", "watermark_lag_seconds", "counts", "keys_detail",
+    "watermark", "watermark_lag_seconds", "counts", "keys_detail", "pod", "shard_count", "shards",
 ]  # fmt: skip
 KEY_FIELDS = [
     "key", "state", "waiting_for", "since", "age_seconds", "buffered", "in_flight", "next_sequence",
@@ -52,6 +52,9 @@ def sample_response(*, keys_blocked_orders: int = 2) -> sidecar_pb2.GetStatusRes
     orders = sidecar_pb2.SubscriptionStatus(
         name="orders",
         mode="sequence",
+        pod="orders-7f9c-1-a1b2c3",
+        shard_count=16,
+        shards=[sidecar_pb2.ShardStatus(shard=3, epoch=5), sidecar_pb2.ShardStatus(shard=11, epoch=2)],
         buffered=7,
         ready=1,
         in_flight=1,
@@ -140,6 +143,15 @@ def test_json_document_has_stable_field_names_and_converted_values() -> None:
     assert prices["watermark"] == "2026-05-01T11:57:00.000Z"
     assert prices["watermark_lag_seconds"] == 180.0
     assert prices["oldest_undelivered_age_seconds"] is None
+    assert orders["shards"] == [{"shard": 3, "epoch": 5}, {"shard": 11, "epoch": 2}]
+    assert (orders["pod"], orders["shard_count"]) == ("orders-7f9c-1-a1b2c3", 16)
+    assert prices["shard_count"] == 0 and prices["shards"] == []
+
+
+def test_table_says_which_shards_this_pod_owns_with_their_epochs() -> None:
+    text = format_table(sample_response(), NOW)
+    assert "pod orders-7f9c-1-a1b2c3: owns 2 of 16 shards (shard@epoch): 3@5 11@2" in text
+    assert "prices:" not in text or "owns" not in text.split("prices:")[1]
 
 
 def test_json_output_parses_back_to_the_document() -> None:
