@@ -97,8 +97,9 @@ def read_lease(path: str, shard: int, shard_count: int, read_us: int, version: d
     if fields["shards"] != shard_count:
         raise LeaseLayoutError(
             f"lease document {path}: written with shards={fields['shards']}, this pod is configured with "
-            f"shards={shard_count}; to change the shard count, stop every pod of the subscription, "
-            "then start them all with the new value"
+            f"shards={shard_count}; a subscription's stored state is sharded for good (its cursors and "
+            f"pending messages carry their shard): set sharding.shards back to {fields['shards']} "
+            "(docs/operations.md, 'Changing the shard count S')"
         )
     if version.update_time_us is None:
         raise LeaseLayoutError(f"lease document {path}: the read returned it without an update time")
