@@ -444,7 +444,7 @@ class Engine:
         self._timers.mark_stale()
         key = entry.key
         cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
-        return AckIntent(delivery_id, entry.message, cursor)
+        return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed)
 
     def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
         """The store made these acks durable: cursors advance, slots free up. Ids that are not

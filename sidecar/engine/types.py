@@ -157,6 +157,9 @@ class AckIntent:
     delivery_id: str
     message: Message
     cursor: int | tuple[int, str] | None
+    aside: bool = False
+    """A replay delivered outside its key's order (flagged ``replayed``): the store records the ack
+    but folds nothing into the key's cursor (its position may belong to another message)."""
 
 
 # ---- status ----------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ class IncomingMessage:
     fingerprint: bytes
     sequence: int | None = None
     timestamp_ms: int | None = None
+    replay_id: str = ""
+    """An operator's replay of a dead letter (``sidecar_replay_id``): a record of its own."""
 
     def to_message(self, stored_at_ms: int, ref: str) -> Message:
         """The engine's view of this message once a store made it durable under ``ref``."""
@@ -79,6 +81,7 @@ class IncomingMessage:
             stored_at_ms=stored_at_ms,
             sequence=self.sequence,
             timestamp_ms=self.timestamp_ms,
+            replay_id=self.replay_id,
             payload=Payload(
                 data=self.data,
                 attributes=dict(self.attributes),

@@ -99,6 +99,8 @@ class _Finish:
     ack: AckIntent | None = None
     dead_letter: Message | None = None
     """A dead letter (state ``dead_lettered`` or ``dead_lettered_aside``): folded into the key's cursor."""
+    aside: bool = False
+    """A replay finished outside its key's order: recorded, folded into no cursor (``layout``)."""
 
 
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
@@ -174,7 +176,10 @@ class DocumentStore:
             target = layout.doc_id_of(ack.message)
             if target is None:
                 raise StoreRejected(f"commit_acks: message {ack.message.dedup_id!r} was never stored (no ref)")
-            items.append(_Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
+            if ack.aside:
+                items.append(_Finish(ack.message, target[0], target[1], layout.ACKED, None, aside=True))
+            else:
+                items.append(_Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
         await self._finish(sub, items, now_ms, "commit_acks")
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
@@ -188,7 +193,13 @@ class DocumentStore:
             if target is None:
                 continue
             dead = state in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position_of(message) is not None
-            items.append(_Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None))
+            # A replay dead-lettered aside (refused, or flagged and failed) may share its position with
+            # another message: recorded, never folded.
+            aside = bool(message.replay_id) and state != DEAD_LETTERED
+            dead = dead and not aside
+            items.append(
+                _Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None, aside=aside)
+            )
         await self._finish(sub, items, now_ms, "mark_done")
 
     async def _finish(self, sub: _Subscription, items: list[_Finish], now_ms: int, what: str) -> None:
@@ -214,7 +225,7 @@ class DocumentStore:
                 for item in commit:
                     path = message_path(sub.path, item.doc_id)
                     fields = layout.tombstone_fields(
-                        item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor
+                        item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor, aside=item.aside
                     )
                     writes.append(docs.replace(path, fields))
                     writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
@@ -398,7 +409,7 @@ def _split_group(group: list[_Finish], per_commit: int) -> list[list[_Finish]]:
         for i, item in enumerate(part):
             if item.ack is not None:
                 ack = AckIntent(item.ack.delivery_id, item.ack.message, None)
-                part[i] = _Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack)
+                part[i] = _Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack, aside=item.aside)
     return parts
 
 
