@@ -95,7 +95,8 @@ async def test_watermark_cursor_is_the_highest_acked_position(make_store):
 
 
 @pytest.mark.parametrize(
-    ("policy", "expected"), [("block", KeyCursor("a", 2, blocked=True, blocked_position=2)), ("skip", KeyCursor("a", 3))]
+    ("policy", "expected"),
+    [("block", KeyCursor("a", 2, blocked=True, blocked_position=2)), ("skip", KeyCursor("a", 3))],
 )
 async def test_dead_letter_blocks_or_skips_the_key_after_restart(make_store, policy, expected):
     config = {"orders": SubscriptionStoreConfig(mode="sequence", on_dead_letter=policy)}
@@ -261,7 +262,8 @@ async def test_watermark_unblock_survives_a_restart(make_store):
         subscription="prices",
     )  # fmt: skip
     await store.mark_done("prices", [first], "dead_lettered", 1100)
-    assert (await make_store(config).load("prices", 1500)).cursors == (KeyCursor("p", blocked=True, blocked_position=(100, "id100")),)
+    blocked = KeyCursor("p", blocked=True, blocked_position=(100, "id100"))
+    assert (await make_store(config).load("prices", 1500)).cursors == (blocked,)
     assert await store.unblock("prices", "p", 1200) == (100, "id100")
     snapshot = await make_store(config).load("prices", 2000)
     assert snapshot.cursors == ()

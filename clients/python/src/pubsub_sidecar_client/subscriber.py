@@ -381,6 +381,7 @@ class OrderedSubscriber:
                 delivery_attempt=proto.delivery_attempt,
                 late=proto.late,
                 skipped=tuple((r.first, r.last) for r in proto.skipped),
+                replayed=proto.replayed,
                 _subscriber=self,
                 _stream=stream,
             )
