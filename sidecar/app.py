@@ -161,7 +161,10 @@ class Sidecar:
             fences=fence,
         )
         clients.push_async_callback(_close_quietly, "store", store.close)
-        dead_letters = DeadLetterPublisher({sub.name: sub.dead_letter_topic for sub in config.subscriptions})
+        dead_letters = DeadLetterPublisher(
+            {sub.name: sub.dead_letter_topic for sub in config.subscriptions},
+            subscription_paths={sub.name: sub.subscription for sub in config.subscriptions},
+        )
         clients.push_async_callback(_close_quietly, "dead-letter publisher", dead_letters.aclose)
         # Ingest persists through the timing wrapper (persist-latency histogram); delivery reports each
         # batch it hands out (publish-to-delivery histogram, first attempts only).

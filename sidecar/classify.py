@@ -30,7 +30,12 @@ Rules (docs/config.md repeats them for users):
   so that no two different messages encode alike, truncated to 16 bytes. It covers everything
   the publisher controls and nothing Pub/Sub assigns (message id, publish time), so a
   publisher's retry has the same fingerprint and a different payload under the same key and
-  sequence does not.
+  sequence does not. A replay's marker attributes are left out: a replay has its original's.
+- **Replays** (``sidecar.replay_marker``: an operator's ``dead-letters replay``). Key and position
+  are read as for any message (the original attributes travel unchanged); the replay id becomes
+  ``IncomingMessage.replay_id``; with ``dedup: {by: message_id}`` the dedup id is the original's
+  message id (``sidecar_replay_of``), and a publish-time timestamp is the original's
+  (``sidecar_replay_timestamp_ms``) when the marker has it. A half marker is malformed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from sidecar.config import (
     SubscriptionConfig,
     WatermarkOrdering,
 )
+from sidecar.replay_marker import REPLAY_TIMESTAMP_MS, BadMarker, read_marker, without_marker
 from sidecar.store.api import IncomingMessage
 
 MAX_TIMESTAMP_MS = 253_402_300_799_999
@@ -81,6 +87,10 @@ def classify(
     """Key, position and dedup id of one message under ``config``, or why there are none."""
     # Pub/Sub attributes are a protobuf map<string, string>: the types hold by construction.
     attrs = dict(attributes)
+    try:
+        replay = read_marker(attrs)
+    except BadMarker as exc:
+        return Malformed(str(exc))
     ordering = config.ordering
     is_ordered = isinstance(ordering, SequenceOrdering | WatermarkOrdering)
 
@@ -101,7 +111,12 @@ def classify(
             )
         sequence = parsed
     elif isinstance(ordering, WatermarkOrdering):
-        if ordering.timestamp.attribute is None:
+        if ordering.timestamp.attribute is None and replay is not None and replay.timestamp_ms is not None:
+            parsed = parse_timestamp_ms(REPLAY_TIMESTAMP_MS, replay.timestamp_ms)
+            if isinstance(parsed, Malformed):
+                return parsed
+            timestamp_ms = parsed
+        elif ordering.timestamp.attribute is None:
             timestamp_ms = publish_time_ms
         else:
             parsed = parse_timestamp_ms(ordering.timestamp.attribute, attrs.get(ordering.timestamp.attribute))
@@ -111,7 +126,7 @@ def classify(
 
     dedup_attribute = config.dedup.attribute
     if dedup_attribute is None:
-        dedup_id = message_id
+        dedup_id = message_id if replay is None else replay.replay_of
     else:
         dedup_id = attrs.get(dedup_attribute, "")
         if not dedup_id:
@@ -125,9 +140,10 @@ def classify(
         attributes=attrs,
         ordering_key=ordering_key,
         publish_time_ms=publish_time_ms,
-        fingerprint=fingerprint(data, attrs, ordering_key),
+        fingerprint=fingerprint(data, attrs if replay is None else without_marker(attrs), ordering_key),
         sequence=sequence,
         timestamp_ms=timestamp_ms,
+        replay_id="" if replay is None else replay.replay_id,
     )
 
 

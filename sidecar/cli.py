@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--max-keys", type=int, default=50, help="waiting keys to show per subscription")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the sidecar")
 
-    dead_letters = sub.add_parser("dead-letters", help="see and discard what waits on a dead-letter subscription")
+    dead_letters = sub.add_parser("dead-letters", help="see, replay and discard dead letters waiting on a subscription")
     # The options live with the command; importing its pure module loads no Google library.
     importlib.import_module("sidecar.dead_letters_cli").add_arguments(dead_letters)
 

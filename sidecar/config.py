@@ -287,6 +287,10 @@ class DeliveryConfig(_Model):
     max_delivery_attempts: int = Field(5, ge=1)
     backoff: BackoffConfig = Field(default_factory=BackoffConfig)
     on_dead_letter: Literal["block", "skip"] = "block"
+    on_replay_behind: Literal["deliver_flagged", "refuse"] = "refuse"
+    """A replayed dead letter whose key already went past it: ``refuse`` (dead-lettered again as
+    ``replay_behind``; the default: an app that does not read the ``replayed`` flag never gets a
+    message out of its order) or ``deliver_flagged`` (delivered with ``replayed`` set)."""
 
 
 MIN_LEASE_EXTENSION_MS = 10_000
@@ -378,6 +382,7 @@ class SubscriptionConfig(_Model):
             "backoff_initial_ms": delivery.backoff.initial_ms,
             "backoff_maximum_ms": delivery.backoff.maximum_ms,
             "on_dead_letter": delivery.on_dead_letter,
+            "on_replay_behind": delivery.on_replay_behind,
         }
         if isinstance(ordering, SequenceOrdering):
             common.update(

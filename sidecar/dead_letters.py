@@ -9,14 +9,17 @@ free of any Google library (STYLE: one module per Google library and job).
 Rules:
 
 - **Nothing is acked by reading.** ``scan`` pulls every message available and holds their leases
-  (extended to ``_SCAN_LEASE_SECONDS`` and renewed while the scan lasts) so that one scan sees each
+  (extended to the lease, 120 s by default, and renewed while the scan lasts) so that one scan sees each
   message once; ``release`` gives the ones not acted on back at once (a modack to 0 seconds, which
   is Pub/Sub's nack). If the command dies, the leases lapse and the messages come back by themselves.
 - A dead letter leaves the subscription only through ``ack``, called by the command once what it
   decided (discard, or a replay made durable) is done.
+- A replay is published with the unary Publish RPC (``ReplayPublisher``), which answers only once
+  Pub/Sub has stored the messages: that answer is what makes acking the dead letters safe.
 - Errors are classified here, once: a subscription that does not exist is ``SubscriptionNotFound``
-  (the command exits 2), a malformed name ``BadSubscriptionName`` (exit 2), anything else from
-  Pub/Sub ``DeadLetterToolError`` (exit 1).
+  (the command exits 2), a malformed name ``BadSubscriptionName`` (exit 2), a replay's source
+  subscription or topic that is gone ``ReplayTargetNotFound`` (exit 2), anything else from Pub/Sub
+  ``DeadLetterToolError`` (exit 1).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 
 from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
+from google.pubsub_v1 import PublisherClient as GapicPublisherClient
+from google.pubsub_v1 import PubsubMessage
 
 from sidecar.dead_letter_view import WaitingLetter
 
@@ -62,11 +67,22 @@ class BadSubscriptionName(DeadLetterToolError):
     """Pub/Sub refused the subscription's name."""
 
 
+class ReplayTargetNotFound(DeadLetterToolError):
+    """The subscription a dead letter came from, or the topic to replay it to, does not exist."""
+
+
+_DELETED_TOPIC = "_deleted-topic_"
+"""What Pub/Sub reports as the topic of a subscription whose topic was deleted."""
+
+
 class DeadLetterSubscription:
     """A dead-letter subscription read with unary Pull; the messages leased are remembered until released."""
 
-    def __init__(self, path: str, client: pubsub_v1.SubscriberClient | None = None) -> None:
+    def __init__(
+        self, path: str, client: pubsub_v1.SubscriberClient | None = None, *, lease_seconds: int = _SCAN_LEASE_SECONDS
+    ) -> None:
         self.path = path
+        self._lease_seconds = lease_seconds
         self._owns_client = client is None
         self._client = client if client is not None else pubsub_v1.SubscriberClient()
         self._held: dict[str, WaitingLetter] = {}
@@ -96,12 +112,30 @@ class DeadLetterSubscription:
                 break
             fresh = [self._letter(received) for received in response.received_messages]
             self._held.update((letter.dead_letter_id, letter) for letter in fresh)
-            self._modack([letter.ack_id for letter in fresh], _SCAN_LEASE_SECONDS)
-            if time.monotonic() - renewed_at > _SCAN_LEASE_SECONDS / 2:
+            self._modack([letter.ack_id for letter in fresh], self._lease_seconds)
+            if time.monotonic() - renewed_at > self._lease_seconds / 2:
                 # A long scan keeps its first messages.
-                self._modack([letter.ack_id for letter in self._held.values()], _SCAN_LEASE_SECONDS)
+                self._modack([letter.ack_id for letter in self._held.values()], self._lease_seconds)
                 renewed_at = time.monotonic()
         return list(self._held.values()), len(self._held) >= max_messages
+
+    def topic_of(self, subscription: str) -> str:
+        """The topic ``subscription`` (another one: a replay's source) is attached to."""
+        try:
+            found = self._client.get_subscription(request={"subscription": subscription}, timeout=_RPC_TIMEOUT_SECONDS)
+        except api_exceptions.NotFound as exc:
+            raise ReplayTargetNotFound(
+                f"subscription {subscription}, which dead letters came from, does not exist: pass --topic"
+            ) from exc
+        except api_exceptions.GoogleAPICallError as exc:
+            raise _classify("GetSubscription", subscription, exc) from exc
+        if not found.topic or found.topic == _DELETED_TOPIC:
+            raise ReplayTargetNotFound(f"the topic of subscription {subscription} was deleted: pass --topic")
+        return str(found.topic)
+
+    def renew(self, letters: Sequence[WaitingLetter]) -> None:
+        """Extend the leases of ``letters`` (before a step that may take a while)."""
+        self._modack([letter.ack_id for letter in letters], self._lease_seconds)
 
     def ack(self, letters: Sequence[WaitingLetter]) -> None:
         """Remove ``letters`` from the subscription for good."""
@@ -149,6 +183,35 @@ class DeadLetterSubscription:
         return WaitingLetter.from_pubsub(
             received.ack_id, message.message_id, message.publish_time, message.data, message.attributes
         )
+
+
+class ReplayPublisher:
+    """Publishes replays with the unary Publish RPC: it returns once Pub/Sub stored them."""
+
+    def __init__(self, client: pubsub_v1.PublisherClient | None = None) -> None:
+        self._owns_client = client is None
+        self._client = client if client is not None else pubsub_v1.PublisherClient()
+
+    def publish(self, topic: str, messages: Sequence[tuple[bytes, dict[str, str], str]]) -> list[str]:
+        """Publish ``(data, attributes, ordering_key)`` messages to ``topic``; their new message ids.
+
+        Pub/Sub's own retry policy for Publish applies (transient errors are retried within the
+        deadline): a replay that then still fails leaves its dead letters un-acked."""
+        request = [PubsubMessage(data=data, attributes=attrs, ordering_key=key) for data, attrs, key in messages]
+        try:
+            response = GapicPublisherClient.publish(
+                self._client, topic=topic, messages=request, timeout=_RPC_TIMEOUT_SECONDS
+            )
+        except api_exceptions.NotFound as exc:
+            raise ReplayTargetNotFound(f"topic {topic} does not exist") from exc
+        except api_exceptions.GoogleAPICallError as exc:
+            raise _classify("Publish", topic, exc) from exc
+        return list(response.message_ids)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.stop()
+            self._client.transport.close()  # type: ignore[no-untyped-call]  # the client's own, unannotated
 
 
 def _chunks(items: list[str]) -> Iterator[list[str]]:

@@ -1,4 +1,4 @@
-"""`pubsub-sidecar dead-letters list|discard`: the dead-letter waiting room, for operators and scripts.
+"""`pubsub-sidecar dead-letters list|replay|discard`: the dead-letter waiting room, for operators and scripts.
 
 Rules this module keeps:
 
@@ -10,6 +10,8 @@ Rules this module keeps:
   that a discard is a decision on record. ``--dry-run`` shows what it would discard and acks nothing.
   The note is required: a discard without a reason is exactly the silent loss this tool exists
   to prevent.
+- ``replay`` sends the selected messages back to their topic and acks each only once Pub/Sub
+  has its replay (``sidecar.dead_letter_replay``); ``--dry-run`` shows what would go where.
 - Exit codes: 0 when the command did what was asked, including when nothing matches (it says so);
   2 for a bad argument or a dead-letter subscription that does not exist (one line on stderr);
   1 when Pub/Sub failed the command half-way (one line; what was not acked is given back).
@@ -27,6 +29,7 @@ import sys
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TextIO
 
+from sidecar.dead_letter_replay import ReplayUsageError, plan, replay_letters
 from sidecar.dead_letter_view import (
     Filters,
     WaitingLetter,
@@ -53,6 +56,11 @@ _DECISIONS = logging.getLogger("sidecar.dead_letters.decisions")
 """The record of discards: one INFO line per discarded message."""
 
 _SUBSCRIPTION_RE = re.compile(r"projects/[^/]+/subscriptions/[^/]+")
+_TOPIC_RE = re.compile(r"projects/[^/]+/topics/[^/]+")
+
+DEFAULT_LEASE_SECONDS = 120
+"""Lease on scanned dead letters: long enough for an operator's replay or discard of thousands,
+short enough that a killed command's messages come back within minutes."""
 
 
 class UsageError(Exception):
@@ -63,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``dead-letters`` subcommands and their options (``sidecar.cli`` builds the parser)."""
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     list_parser = actions.add_parser("list", help="show what waits on a dead-letter subscription (acks nothing)")
+    replay = actions.add_parser("replay", help="send the selected dead letters back to their topic, then ack them")
     discard = actions.add_parser("discard", help="ack the selected dead letters, with a log record of each")
-    for sub in (list_parser, discard):
+    for sub in (list_parser, replay, discard):
         sub.add_argument(
             "--dead-letter-subscription",
             required=True,
@@ -84,6 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--dry-run", action="store_true", help="change nothing (list never changes anything)")
         sub.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES, help="scan at most this many")
     discard.add_argument("--note", required=True, help="why these are discarded: kept in the log record")
+    replay.add_argument(
+        "--topic",
+        metavar="PATH",
+        help="replay to this topic (projects/P/topics/T) instead of the topic of each dead letter's subscription",
+    )
+    for sub in (replay, discard):
+        sub.add_argument(
+            "--lease-seconds",
+            type=int,
+            default=DEFAULT_LEASE_SECONDS,
+            help="how long the scanned dead letters stay leased (10-600; a killed run's come back after it)",
+        )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -91,6 +112,7 @@ def run_command(args: argparse.Namespace) -> int:
         BadSubscriptionName,
         DeadLetterSubscription,
         DeadLetterToolError,
+        ReplayTargetNotFound,
         SubscriptionNotFound,
     )
 
@@ -101,12 +123,18 @@ def run_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--max-messages must be positive (got {args.max_messages})")
         if args.action == "discard" and not args.note.strip():
             raise UsageError("--note must say why the messages are discarded")
+        lease_seconds = getattr(args, "lease_seconds", DEFAULT_LEASE_SECONDS)
+        if not 10 <= lease_seconds <= 600:
+            raise UsageError(f"--lease-seconds must be 10..600 (Pub/Sub's ack deadline range), got {lease_seconds}")
+        topic = getattr(args, "topic", None)
+        if topic is not None and not _TOPIC_RE.fullmatch(topic):
+            raise UsageError(f"--topic {topic!r} is not projects/P/topics/T")
     except UsageError as exc:
         print(f"pubsub-sidecar dead-letters: {exc}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging("json", "WARNING", stream=sys.stderr)
     _DECISIONS.setLevel(logging.INFO)
-    queue = DeadLetterSubscription(path)
+    queue = DeadLetterSubscription(path, lease_seconds=lease_seconds)
     try:
         queue.check()
         letters, cut = queue.scan(args.max_messages)
@@ -115,8 +143,13 @@ def run_command(args: argparse.Namespace) -> int:
         now = datetime.now(UTC)
         if args.action == "list":
             return list_letters(visible(letters, filters, now), filters, now, args.json, sys.stdout)
+        if args.action == "replay":
+            return replay_selected(queue, select(letters, filters, now), filters, now, args, sys.stdout)
         return discard_letters(queue, select(letters, filters, now), filters, now, args, sys.stdout)
-    except (SubscriptionNotFound, BadSubscriptionName) as exc:
+    except ReplayUsageError as exc:
+        print(f"pubsub-sidecar dead-letters: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (SubscriptionNotFound, BadSubscriptionName, ReplayTargetNotFound) as exc:
         print(f"pubsub-sidecar dead-letters: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except DeadLetterToolError as exc:
@@ -200,6 +233,28 @@ def discard_letters(
             },
         )
     print(f"discarded {len(letters)} dead letter(s) from {queue.path}", file=out)
+    return EXIT_OK
+
+
+def replay_selected(
+    queue: DeadLetterSubscription,
+    letters: list[WaitingLetter],
+    filters: Filters,
+    now: datetime,
+    args: argparse.Namespace,
+    out: TextIO,
+) -> int:
+    from sidecar.dead_letters import ReplayPublisher
+
+    if not letters:
+        print(f"no dead letters match ({filters.describe()}); nothing replayed", file=out)
+        return EXIT_OK
+    replays = plan(letters, args.topic, queue.topic_of)
+    publisher = ReplayPublisher()
+    try:
+        replay_letters(queue, publisher, replays, now, args, _operator(), out)
+    finally:
+        publisher.close()
     return EXIT_OK
 
 

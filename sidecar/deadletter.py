@@ -8,8 +8,10 @@ Rules:
   ``sidecar_ordering_key`` when the original had one (this publisher does not enable ordering, so the
   ordering key travels as an attribute), and the message's position in its key's order when it has
   one: ``sidecar_sequence`` (sequence mode) or ``sidecar_timestamp_ms`` (watermark mode), which
-  ``pubsub-sidecar dead-letters list`` shows without knowing the sidecar's config. A sidecar
-  attribute replaces an original one of the same name.
+  ``pubsub-sidecar dead-letters list`` shows without knowing the sidecar's config, and
+  ``sidecar_subscription_path`` (the Pub/Sub subscription it came from) so that ``dead-letters
+  replay`` finds the topic to send it back to. A sidecar attribute replaces an original one of the
+  same name.
 - ``publish`` returns only once Pub/Sub accepted the message and raises ``DeadLetterPublishError``
   otherwise. There is exactly one retry layer and it is the caller's (runtime and ingest retry with
   backoff and keep the message un-acked meanwhile): the client's own retries are switched off, so an
@@ -89,6 +91,7 @@ def dead_letter_attributes(
     ordering_key: str = "",
     sequence: int | None = None,
     timestamp_ms: int | None = None,
+    subscription_path: str = "",
 ) -> dict[str, str]:
     """The attributes of a dead letter: the original ones plus the sidecar's (which win on a clash)."""
     result = dict(attributes)
@@ -103,6 +106,8 @@ def dead_letter_attributes(
         result["sidecar_sequence"] = str(sequence)
     if timestamp_ms is not None:
         result["sidecar_timestamp_ms"] = str(timestamp_ms)
+    if subscription_path:
+        result["sidecar_subscription_path"] = _cut_utf8(subscription_path, _MAX_ATTRIBUTE_VALUE_BYTES)
     return result
 
 
@@ -110,8 +115,8 @@ class DeadLetterPublisher:
     """Publishes to each subscription's dead-letter topic; satisfies ``runtime.DeadLetterSink``.
 
     ``topics`` maps a subscription's config ``name`` to its ``dead_letter_topic`` (None or absent:
-    none configured). The client is made here unless one is passed in; it honours
-    ``PUBSUB_EMULATOR_HOST`` as read at construction.
+    none configured), ``subscription_paths`` to its Pub/Sub subscription. The client is made here
+    unless one is passed in; it honours ``PUBSUB_EMULATOR_HOST`` as read at construction.
     """
 
     def __init__(
@@ -120,8 +125,10 @@ class DeadLetterPublisher:
         *,
         client: pubsub_v1.PublisherClient | None = None,
         publish_timeout_seconds: float = _PUBLISH_TIMEOUT_SECONDS,
+        subscription_paths: Mapping[str, str] | None = None,
     ) -> None:
         self._topics = dict(topics)
+        self._paths = dict(subscription_paths or {})
         self._owns_client = client is None
         self._client = client if client is not None else pubsub_v1.PublisherClient()
         self._timeout_seconds = publish_timeout_seconds
@@ -156,6 +163,7 @@ class DeadLetterPublisher:
                 ordering_key=payload.ordering_key,
                 sequence=message.sequence,
                 timestamp_ms=message.timestamp_ms,
+                subscription_path=self._paths.get(subscription, ""),
             ),
             message.message_id,
         )
@@ -187,6 +195,7 @@ class DeadLetterPublisher:
                 attempts=attempts,
                 message_id=message_id,
                 ordering_key=ordering_key,
+                subscription_path=self._paths.get(subscription, ""),
             ),
             message_id,
         )

@@ -464,6 +464,7 @@ def _ordered_message(delivery: Deliver) -> sidecar_pb2.OrderedMessage:
         sequence=message.sequence or 0,
         delivery_attempt=delivery.attempt,
         late=delivery.late,
+        replayed=delivery.replayed,
         skipped=[sidecar_pb2.SkippedRange(first=r.first, last=r.last) for r in delivery.skipped],
         epoch=delivery.epoch,
     )

@@ -299,3 +299,49 @@ def test_classify_imports_no_google_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# ---- replays (``pubsub-sidecar dead-letters replay``) -------------------------------------------
+
+REPLAY = {"sidecar_replay_of": "m-original", "sidecar_replay_id": "dl-7"}
+
+
+def test_a_replay_keeps_its_key_position_dedup_id_and_fingerprint_and_gets_its_replay_id() -> None:
+    original = ok(run(SEQUENCE, {"order_id": "o-1", "seq": "4"}, message_id="m-original"))
+    replayed = ok(run(SEQUENCE, {"order_id": "o-1", "seq": "4", **REPLAY}, message_id="m-replay"))
+    assert (replayed.key, replayed.sequence, replayed.dedup_id) == ("o-1", 4, "m-original")
+    assert replayed.fingerprint == original.fingerprint, "the marker is not content"
+    assert (replayed.replay_id, replayed.message_id) == ("dl-7", "m-replay")
+    assert original.replay_id == ""
+    assert replayed.attributes["sidecar_replay_id"] == "dl-7", "the app sees the marker"
+
+
+def test_a_replay_with_a_dedup_attribute_keeps_that_attribute_as_its_dedup_id() -> None:
+    replayed = ok(run(DEDUP_ATTR, {"event_id": "e-9", **REPLAY}, message_id="m-replay"))
+    assert (replayed.dedup_id, replayed.replay_id) == ("e-9", "dl-7")
+
+
+def test_a_replay_ordered_by_publish_time_keeps_its_originals_event_time() -> None:
+    marker = {**REPLAY, "sidecar_replay_timestamp_ms": "1700000000000"}
+    replayed = ok(run(WATERMARK_PUBLISH, marker, ordering_key="p-1", publish_time_ms=1_800_000_000_000))
+    assert (replayed.timestamp_ms, replayed.dedup_id) == (1_700_000_000_000, "m-original")
+    by_attribute = ok(run(WATERMARK_ATTR, {"k": "p", "ts": "5000", **marker}))
+    assert by_attribute.timestamp_ms == 5000, "an event-time attribute travels with the replay itself"
+
+
+@pytest.mark.parametrize(
+    ("marker", "missing"),
+    [
+        ({"sidecar_replay_of": "m-original"}, "sidecar_replay_id"),
+        ({"sidecar_replay_id": "dl-7"}, "sidecar_replay_of"),
+        ({"sidecar_replay_of": "", "sidecar_replay_id": "dl-7"}, "sidecar_replay_of"),
+    ],
+)
+def test_a_half_replay_marker_is_malformed(marker: dict[str, str], missing: str) -> None:
+    result = run(SEQUENCE, {"order_id": "o-1", "seq": "4", **marker})
+    assert isinstance(result, Malformed) and repr(missing) in result.reason
+
+
+def test_a_replay_timestamp_that_is_not_one_is_malformed() -> None:
+    result = run(WATERMARK_PUBLISH, {**REPLAY, "sidecar_replay_timestamp_ms": "soon"}, ordering_key="p")
+    assert isinstance(result, Malformed) and "sidecar_replay_timestamp_ms" in result.reason

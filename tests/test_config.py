@@ -194,6 +194,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "max_delivery_attempts": 5,
         "backoff": {"initial_ms": 1_000, "maximum_ms": 600_000},
         "on_dead_letter": "block",
+        "on_replay_behind": "refuse",
     }
     assert sub.flow_control.model_dump() == {
         "max_undelivered_messages": 10_000,

@@ -21,6 +21,14 @@ Invariants kept for every key (G2/G3/G5, checked by the property tests in tests/
    asking for it) the message is dead-lettered; the key then waits for ``dead_letter_done`` and
    follows ``on_dead_letter``. Consumer closes give messages back without counting as failures,
    but the next ``attempt`` number still counts every earlier delivery.
+6. Replays (``Message.replay_id``, an operator's ``dead-letters replay``) never reorder anything
+   else. A replay at the position its key is blocked at takes the dead letter's place and is the
+   key's next message (its durable ack moves the key on); one at a position the key has not reached
+   is an ordinary arrival there; one the key has passed (or holds another message at) is handed
+   out outside the order flagged
+   ``replayed`` (``on_replay_behind: deliver_flagged``, like a late message: it never moves the
+   cursor) or dead-lettered aside as ``replay_behind`` (``refuse``). In none mode a replay is an
+   ordinary message. Its identity is its replay id, so it is no duplicate of its original.
 
 Backoff after the n-th failed delivery of a message (``retry_after_ms`` from the nack wins)::
 
@@ -42,7 +50,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sidecar.engine import timers as _timers
-from sidecar.engine.dedup import DedupMemory
+from sidecar.engine.dedup import DedupMemory, dedup_key
 from sidecar.engine.sequence import SequencePolicy
 from sidecar.engine.state import ACKING, BACKOFF, BLOCKED, DEAD, DONE, HELD, OUT, Entry, KeyState
 from sidecar.engine.types import (
@@ -81,6 +89,8 @@ _COUNT_NAMES = (
     "gap_timeouts",
     "keys_evicted",
     "unblocked",
+    "replays",
+    "replays_behind",
 )
 """Cumulative counters in ``EngineStatus.counts`` (plus ``dead_lettered:<reason>``)."""
 
@@ -89,6 +99,8 @@ REASON_LATE = "late"
 REASON_MAX_ATTEMPTS = "max_delivery_attempts"
 REASON_APP = "app_dead_letter"
 """Dead-letter reasons: the app's nack asked for it (``dead_letter=True``)."""
+REASON_REPLAY_BEHIND = "replay_behind"
+"""A replay of a message its key had already passed, refused (``on_replay_behind: refuse``)."""
 REASON_BELOW_CURSOR = "below_cursor"
 """sequence mode: a message below a cursor this engine was restored with, not known to be skipped:
 it may be a copy of an acked message whose record expired (never delivered again, G3), or one
@@ -234,7 +246,8 @@ class Engine:
                     cursors.append(cursor)
         entries: Iterable[Entry]
         if self._seq is not None:
-            entries = (entry for key in self._keys.values() for entry in key.index.values())
+            entries = [entry for key in self._keys.values() for entry in key.index.values()]
+            entries += self._seq.replays.values()
         else:
             entries = (self._wm or self._none).by_id.values()  # type: ignore[union-attr]
         for entry in entries:
@@ -271,7 +284,9 @@ class Engine:
                 key = self._key(message.key)
             elif self._idle:
                 self._idle.pop(key.name, None)
-            if self._seq is not None:
+            if message.replay_id:
+                action, entry = self._arrive_replay(key, message, now_ms)
+            elif self._seq is not None:
                 action, entry = self._seq.arrive(key, message, self._n)
             else:
                 action, entry = self._wm.arrive(key, message, self._n, now_ms)  # type: ignore[union-attr]
@@ -279,7 +294,7 @@ class Engine:
             self._n_pending += 1
             self._n_undelivered += 1
             self._arrivals.append(entry)
-            if entry.late:
+            if entry.late and not entry.replayed:
                 self._counts["late"] += 1
         if action is not None:
             counts = self._counts
@@ -297,6 +312,44 @@ class Engine:
         if key is not None:
             self._refresh(key, now_ms)
         return [] if action is None else [action]
+
+    def _arrive_replay(self, key: KeyState, message: Message, now_ms: int) -> tuple[Action | None, Entry | None]:
+        """A replay in an ordered mode (rule 6 of the module docstring)."""
+        held = self._find(message)
+        if held is not None and held.message.replay_id == message.replay_id:
+            # A redelivery of this very replay (its stored record is the held one's): not finished.
+            return DropDuplicate(message, "duplicate of a replay the engine holds"), None
+        self._counts["replays"] += 1
+        policy = self._policy
+        position = policy.position(message)
+        blocking = next((e for e in key.out if e.state == BLOCKED), None) if key.blocked else None
+        if (
+            key.blocked
+            and key.blocked_pos == position
+            and (blocking is not None or policy.replay_place(key, message) == "ahead")
+        ):
+            # It takes the place of the dead letter the key stopped at: the key resumes with it.
+            # (Restored blocked, the engine holds no entry for it: only if nothing sits there.)
+            if blocking is not None:
+                key.out.remove(blocking)
+                blocking.state = DONE
+            key.blocked = False
+            key.blocked_since = key.blocked_pos = None
+            self._n_dead_letter_blocked -= 1
+            if self._seq is not None:
+                return self._seq.resume_at(key, blocking, message, self._n)
+            return self._wm.resume_at(key, blocking, message, self._n, now_ms)  # type: ignore[union-attr]
+        if policy.replay_place(key, message) == "ahead":
+            if self._seq is not None:
+                return self._seq.arrive(key, message, self._n)
+            return self._wm.arrive(key, message, self._n, now_ms)  # type: ignore[union-attr]
+        self._counts["replays_behind"] += 1
+        if self._config.on_replay_behind == "refuse":
+            return DeadLetter(message, REASON_REPLAY_BEHIND, 0), None
+        entry = Entry(message, key, position, self._n)
+        entry.late = entry.replayed = True
+        policy.add_flagged(key, entry)
+        return None, entry
 
     def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
         """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within
@@ -391,7 +444,7 @@ class Engine:
         self._timers.mark_stale()
         key = entry.key
         cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
-        return AckIntent(delivery_id, entry.message, cursor)
+        return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed)
 
     def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
         """The store made these acks durable: cursors advance, slots free up. Ids that are not
@@ -485,9 +538,13 @@ class Engine:
             return []
         entry.state = BLOCKED
         self._n_pending -= 1
+        if not key.blocked:
+            self._n_dead_letter_blocked += 1
+            key.blocked_since = now_ms
         key.blocked = True
-        key.blocked_since = now_ms
-        self._n_dead_letter_blocked += 1
+        # Several in flight: the key stops at the first of its dead letters (as the store records).
+        if key.blocked_pos is None or entry.pos < key.blocked_pos:  # type: ignore[operator]
+            key.blocked_pos = entry.pos
         self._policy.on_blocked(key, entry)
         self._refresh(key, now_ms)
         return []
@@ -509,7 +566,7 @@ class Engine:
         if key is None or not key.blocked:
             raise KeyNotBlocked(f"key {key_name!r} is not blocked by a dead letter")
         key.blocked = False
-        key.blocked_since = None
+        key.blocked_since = key.blocked_pos = None
         self._n_dead_letter_blocked -= 1
         self._counts["unblocked"] += 1
         entry = next((e for e in key.out if e.state == BLOCKED), None)
@@ -639,7 +696,7 @@ class Engine:
             if blocking is not None:
                 blocked_id, blocked_seq = blocking.message.message_id, blocking.message.sequence
             elif self._seq is not None:
-                blocked_seq = key.cursor  # type: ignore[assignment]  # restored blocked: stopped at its cursor
+                blocked_seq = key.blocked_pos  # type: ignore[assignment]  # restored blocked: the store knows where
             which = ", ".join(
                 part
                 for part in (f"sequence {blocked_seq}" if blocked_seq is not None else "",
@@ -720,6 +777,9 @@ class Engine:
 
     def _find(self, message: Message) -> Entry | None:
         if self._seq is not None:
+            flagged = self._seq.find_replay(message)
+            if flagged is not None:
+                return flagged
             key = self._keys.get(message.key)
             return None if key is None else key.index.get(message.sequence)
         return (self._wm or self._none).find(message)  # type: ignore[union-attr]
@@ -802,7 +862,13 @@ class Engine:
         self._delivered += 1
         skipped = entry.skipped
         return Deliver(
-            delivery_id, consumer, entry.message, entry.deliveries, entry.late, tuple(skipped) if skipped else ()
+            delivery_id,
+            consumer,
+            entry.message,
+            entry.deliveries,
+            entry.late and not entry.replayed,
+            tuple(skipped) if skipped else (),
+            replayed=entry.replayed,
         )
 
     def _end_delivery(self, entry: Entry, *, from_timer: bool) -> None:
@@ -960,6 +1026,8 @@ def _validate(config: EngineConfig) -> None:
         problems.append(f"on_late must be dead_letter or deliver, got {config.on_late!r}")
     if config.on_dead_letter not in ("block", "skip"):
         problems.append(f"on_dead_letter must be block or skip, got {config.on_dead_letter!r}")
+    if config.on_replay_behind not in ("deliver_flagged", "refuse"):
+        problems.append(f"on_replay_behind must be deliver_flagged or refuse, got {config.on_replay_behind!r}")
     if config.max_in_flight_per_key < 1:
         problems.append(f"max_in_flight_per_key must be >= 1, got {config.max_in_flight_per_key}")
     if config.max_delivery_attempts < 1:
@@ -998,7 +1066,10 @@ def payload_size(payload: Payload) -> int:
 
 
 def _identity(message: Message) -> object:
-    """What makes two stored copies one record: (key, sequence) in sequence mode, else the dedup id."""
+    """What makes two stored copies one record: (key, sequence) in sequence mode, else the dedup id;
+    a replay's replay id in every mode."""
+    if message.replay_id:
+        return dedup_key(message)
     if message.sequence is not None:
         return (message.key, message.sequence)
     return message.dedup_id

@@ -14,9 +14,19 @@ Pruning pops from the front of an arrival-ordered queue: O(1) amortised per id.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
+
+from sidecar.engine.types import Message
 
 PRUNE_SLACK_MS = 1_000
 """Prune at most about once a second: a timer per expiring id would wake the runtime per message."""
+
+
+def dedup_key(message: Message) -> Hashable:
+    """What makes two copies one message in watermark and none modes: the dedup id, or for a replay
+    its replay id (a tuple, so that no dedup id can ever equal it): a replay is not a duplicate of
+    its original, and two copies of one replay are duplicates of each other."""
+    return ("replay", message.replay_id) if message.replay_id else message.dedup_id
 
 
 class DedupMemory:
@@ -25,17 +35,17 @@ class DedupMemory:
     def __init__(self, ttl_ms: int, max_entries: int) -> None:
         self._ttl_ms = ttl_ms
         self._max_entries = max_entries
-        self._expiry: dict[str, int] = {}
-        self._order: deque[tuple[int, str]] = deque()
+        self._expiry: dict[Hashable, int] = {}
+        self._order: deque[tuple[int, Hashable]] = deque()
 
     def __len__(self) -> int:
         return len(self._expiry)
 
-    def contains(self, dedup_id: str, now_ms: int) -> bool:
+    def contains(self, dedup_id: Hashable, now_ms: int) -> bool:
         expiry = self._expiry.get(dedup_id)
         return expiry is not None and expiry > now_ms
 
-    def remember(self, dedup_id: str, stored_at_ms: int) -> None:
+    def remember(self, dedup_id: Hashable, stored_at_ms: int) -> None:
         if self._max_entries <= 0:
             return
         expiry = stored_at_ms + self._ttl_ms

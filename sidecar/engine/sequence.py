@@ -18,6 +18,13 @@ Rules (DESIGN §4):
   it is held with the reason "missing sequence N" where N is the first missing one.
 - A gap timeout with ``skip`` moves ``next_out`` to the lowest held sequence; that message carries
   the skipped range. The cursor written to the store moves only when it is acked.
+- A replay (``Message.replay_id``) keeps its original's sequence. At the sequence its key is
+  blocked at, it takes the dead letter's place (``resume_at``); at a
+  sequence the key has not reached and holds nothing at, it is an ordinary arrival; at a sequence
+  the key passed or finished it is *behind*, and the engine core applies ``on_replay_behind`` (a
+  flagged replay waits in ``replays``, never in ``index``, whose slot may hold a finished
+  placeholder); at a sequence the key holds another message for, it is behind too: that message
+  has the place (a replay is never dropped for another message: the operator asked for it).
 
 Complexity: arrival O(log b) (heap push, b = the key's backlog), hand-out O(log b); extending the
 run after a gap fills walks each message once.
@@ -45,12 +52,14 @@ _MAX_SKIPPED_RANGES_PER_KEY = 64
 
 
 class SequencePolicy:
-    __slots__ = ("_deliver_late", "_first_any", "_start")
+    __slots__ = ("_deliver_late", "_first_any", "_start", "replays")
 
     def __init__(self, config: EngineConfig) -> None:
         self._start = config.sequence_start
         self._first_any = config.first_sequence_any
         self._deliver_late = config.on_late == "deliver"
+        self.replays: dict[str, Entry] = {}
+        """Replays delivered outside their key's order, by replay id."""
 
     def new_key(self, key: KeyState) -> None:
         if self._first_any:
@@ -64,6 +73,10 @@ class SequencePolicy:
         if cursor.next_sequence is not None:
             key.cursor = key.next_out = key.run_end = key.known_from = int(cursor.next_sequence)
         key.blocked = cursor.blocked
+        if cursor.blocked:
+            # Stopped at its cursor unless the store knows the exact sequence (an earlier message
+            # may still have been in flight when the key blocked).
+            key.blocked_pos = cursor.blocked_position if cursor.blocked_position is not None else key.cursor
         for seq in sorted(cursor.acked_above):
             if key.cursor is None or seq < key.cursor:  # type: ignore[operator]
                 continue
@@ -82,14 +95,58 @@ class SequencePolicy:
             next_sequence=key.cursor,  # type: ignore[arg-type]
             blocked=key.blocked,
             acked_above=acked_above,  # type: ignore[arg-type]
+            blocked_position=key.blocked_pos if key.blocked else None,  # type: ignore[arg-type]
         )
 
-    def arrive(self, key: KeyState, message: Message, n: int) -> tuple[Action | None, Entry | None]:
+    @staticmethod
+    def position(message: Message) -> int:
         seq = message.sequence
         if type(seq) is not int:
             raise ValueError(
                 f"sequence mode: message {message.dedup_id!r} of key {message.key!r} has no integer sequence ({seq!r})"
             )
+        return seq
+
+    def replay_place(self, key: KeyState, message: Message) -> str:
+        """Where a replay that is not at its key's block falls (module docstring): "ahead" (an
+        ordinary arrival) or "behind" (the key passed its sequence, or holds a message there)."""
+        seq = self.position(message)
+        if seq in key.index or (key.cursor is not None and seq < key.next_out):
+            return "behind"
+        return "ahead"
+
+    def resume_at(
+        self, key: KeyState, blocking: Entry | None, message: Message, n: int
+    ) -> tuple[Action | None, Entry | None]:
+        """A replay of the dead letter the key was blocked at takes its place (the block is lifted).
+
+        Restored blocked (``blocking`` None), nothing at or after the blocked sequence was handed out:
+        an ordinary arrival. Otherwise the dead letter was handed out and ``next_out`` is past it
+        (maybe past a skipped range too): the replay takes its index slot and waits at the head of the
+        late queue, *resumed*: handed out before anything else of the key, and in ``out`` like an
+        in-order message, so its durable ack moves the cursor past the blocked sequence."""
+        if blocking is None:
+            return self.arrive(key, message, n)
+        entry = Entry(message, key, blocking.pos, n)
+        entry.resumed = True
+        key.index[blocking.pos] = entry
+        key.late.appendleft(entry)
+        key.n_held += 1
+        key.n_ready += 1
+        return None, entry
+
+    def add_flagged(self, key: KeyState, entry: Entry) -> None:
+        """A replay delivered outside the key's order, ahead of its backlog (like a late message)."""
+        self.replays[entry.message.replay_id] = entry
+        key.late.append(entry)
+        key.n_held += 1
+        key.n_ready += 1
+
+    def find_replay(self, message: Message) -> Entry | None:
+        return self.replays.get(message.replay_id) if message.replay_id else None
+
+    def arrive(self, key: KeyState, message: Message, n: int) -> tuple[Action | None, Entry | None]:
+        seq = self.position(message)
         index = key.index
         held = index.get(seq)
         if held is not None:
@@ -147,7 +204,7 @@ class SequencePolicy:
         following = seq + 1
         run_end = key.run_end
         # Entries still acking after a nack's rewind sit inside the run: hand out around them.
-        while following < run_end and index[following].state != HELD:
+        while following < run_end and (index[following].state != HELD or index[following].resumed):
             following += 1
         key.next_out = following
         popped: Entry = entry
@@ -158,7 +215,7 @@ class SequencePolicy:
         rewind = None
         for entry in entries:
             key.n_held += 1
-            if entry.late:
+            if entry.late or entry.resumed:
                 key.late.appendleft(entry)
                 key.n_ready += 1
             else:
@@ -177,7 +234,10 @@ class SequencePolicy:
 
     def forget(self, key: KeyState, entry: Entry) -> None:
         """A late entry is finished (acked or dead-lettered); it never moved the cursor."""
-        del key.index[entry.pos]
+        if entry.replayed:
+            del self.replays[entry.message.replay_id]
+        else:
+            del key.index[entry.pos]
 
     def on_blocked(self, key: KeyState, entry: Entry) -> None:
         """Kept in the index: a redelivery of the blocking message stays a duplicate."""
@@ -290,7 +350,7 @@ def _extend_run(key: KeyState) -> None:
         entry = index.get(end)
         if entry is None:
             break
-        if entry.state == HELD:
+        if entry.state == HELD and not entry.resumed:  # a resumed replay waits in the late queue
             ready += 1
         end += 1
     key.run_end = end

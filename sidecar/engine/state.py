@@ -44,7 +44,20 @@ BACKOFF = 6
 class Entry:
     """One stored message while the engine is responsible for it."""
 
-    __slots__ = ("consumer", "deliveries", "delivery_id", "key", "late", "message", "n", "pos", "skipped", "state")
+    __slots__ = (
+        "consumer",
+        "deliveries",
+        "delivery_id",
+        "key",
+        "late",
+        "message",
+        "n",
+        "pos",
+        "replayed",
+        "resumed",
+        "skipped",
+        "state",
+    )
 
     def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
         self.message = message
@@ -59,6 +72,12 @@ class Entry:
         self.consumer: str | None = None
         self.skipped: list[SkippedRange] | None = None
         self.late = False
+        """Handed out outside the key's order, ahead of its backlog; never moves the cursor."""
+        self.replayed = False
+        """A replay whose position the key had passed: ``late`` too, and delivered flagged ``replayed``."""
+        self.resumed = False
+        """sequence: a replay that took the place of the dead letter its key was blocked at. In order
+        (in ``out``, moves the cursor), but waits in the late queue: the run may have moved past it."""
 
 
 class KeyState:
@@ -69,6 +88,7 @@ class KeyState:
         "backoff_since",
         "backoff_until",
         "blocked",
+        "blocked_pos",
         "blocked_since",
         "consumer",
         "counted_ready",
@@ -127,6 +147,8 @@ class KeyState:
         self.skipped: list[list[int]] = []
         """sequence: ranges ``[first, last]`` passed over by a gap skip; a later arrival there is late."""
         self.blocked = False
+        self.blocked_pos: object = None
+        """While ``blocked``: the position of the dead letter the key stopped at (None if unknown)."""
         self.blocked_since: int | None = None
         self.dead_lettering = 0
         self.backoff_until: int | None = None

@@ -14,6 +14,7 @@ Mode = Literal["sequence", "watermark", "none"]
 GapPolicy = Literal["hold", "skip"]
 LatePolicy = Literal["dead_letter", "deliver"]
 DeadLetterPolicy = Literal["block", "skip"]
+ReplayBehindPolicy = Literal["deliver_flagged", "refuse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,10 @@ class Message:
     sequence: int | None = None
     timestamp_ms: int | None = None
     payload: Payload | None = field(default=None, compare=False, repr=False)
+    replay_id: str = ""
+    """Set on an operator's replay of a dead letter (``pubsub-sidecar dead-letters replay``): the
+    replay's own identity. It keeps its original's key, position and dedup id, but it is a record
+    of its own: not a duplicate of its original, while two copies of one replay are duplicates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,9 @@ class EngineConfig:
     backoff_initial_ms: int = 1_000
     backoff_maximum_ms: int = 600_000
     on_dead_letter: DeadLetterPolicy = "block"
+    on_replay_behind: ReplayBehindPolicy = "refuse"
+    """A replay whose position its key has already passed (skipped, unblocked, finished): delivered
+    flagged ``replayed`` outside the key's order, or refused (dead-lettered again, ``replay_behind``)."""
     dedup_memory_max_entries: int = 200_000
     """none/watermark modes: at most this many recently seen dedup ids kept in memory (~250 bytes
     each); Firestore stays the authority for the full ``dedup_ttl_ms``."""
@@ -98,6 +106,8 @@ class Deliver:
     epoch: int = 0
     """The lease epoch of the key's shard at delivery (set by the runtime; 0 without leases): the
     app's fencing token for side effects of this key."""
+    replayed: bool = False
+    """A replay delivered outside its key's order: the key had already passed its position."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +160,9 @@ class AckIntent:
     delivery_id: str
     message: Message
     cursor: int | tuple[int, str] | None
+    aside: bool = False
+    """A replay delivered outside its key's order (flagged ``replayed``): the store records the ack
+    but folds nothing into the key's cursor (its position may belong to another message)."""
 
 
 # ---- status ----------------------------------------------------------------------------------
@@ -213,6 +226,9 @@ class KeyCursor:
     acked_above: tuple[int, ...] = ()
     """sequence mode with ``max_in_flight_per_key > 1``: sequences above ``next_sequence`` already
     acked durably (an app may ack N+1 before N). Without them a restart would wait for N+1 forever."""
+    blocked_position: int | tuple[int, str] | None = None
+    """The position of the dead letter the key is blocked at, when ``blocked`` and known: a replay
+    of that very message lifts the block (None: sequence mode reads the cursor instead)."""
 
 
 @dataclass(frozen=True, slots=True)

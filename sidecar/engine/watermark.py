@@ -10,7 +10,11 @@ Rules (DESIGN §4):
   dead_letter`` dead-letters it, ``deliver`` delivers it flagged ``late`` ahead of the key's backlog
   (it never moves the cursor back).
 - Identity is the dedup id: a second copy while the first is held, or within ``dedup_ttl_ms`` after
-  it finished (bounded memory, see ``dedup.py``), is a duplicate.
+  it finished (bounded memory, see ``dedup.py``), is a duplicate. A replay's identity is its replay
+  id; its position stays its original's ``(timestamp_ms, dedup_id)``.
+- A replay (``Message.replay_id``) at the position its key is blocked at resumes the key there
+  (``resume_at``); one at or behind the key's released position is *behind*
+  (``replay_place``), and the engine core applies ``on_replay_behind``.
 
 Every held message above the watermark sits once in one shared heap ordered by timestamp, so an
 advance of the watermark pops exactly the messages it releases: O(log n) per message, no scan over
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 
-from sidecar.engine.dedup import DedupMemory
+from sidecar.engine.dedup import DedupMemory, dedup_key
 from sidecar.engine.state import Entry, KeyState
 from sidecar.engine.types import Action, DeadLetter, DropDuplicate, EngineConfig, Hold, KeyCursor, Message
 
@@ -34,7 +38,7 @@ class WatermarkPolicy:
     def __init__(self, config: EngineConfig, memory: DedupMemory) -> None:
         self._deliver_late = config.on_late == "deliver"
         self.memory = memory
-        self.by_id: dict[str, Entry] = {}
+        self.by_id: dict[object, Entry] = {}
         self._above: list[tuple[int, int, Entry]] = []
         self.watermark_ms: int | None = None
 
@@ -48,27 +52,62 @@ class WatermarkPolicy:
             timestamp_ms, dedup_id = cursor.last_position
             key.cursor = key.released = (int(timestamp_ms), str(dedup_id))
         key.blocked = cursor.blocked
+        position = cursor.blocked_position
+        key.blocked_pos = (int(position[0]), str(position[1])) if cursor.blocked and position is not None else None  # type: ignore[index]
 
     def export_cursor(self, key: KeyState) -> KeyCursor | None:
         if key.cursor is None and not key.blocked:
             return None
-        return KeyCursor(key=key.name, last_position=key.cursor, blocked=key.blocked)  # type: ignore[arg-type]
+        return KeyCursor(
+            key=key.name,
+            last_position=key.cursor,  # type: ignore[arg-type]
+            blocked=key.blocked,
+            blocked_position=key.blocked_pos if key.blocked else None,  # type: ignore[arg-type]
+        )
 
-    def arrive(self, key: KeyState, message: Message, n: int, now_ms: int) -> tuple[Action | None, Entry | None]:
+    def position(self, message: Message) -> tuple[int, str]:
         timestamp_ms = message.timestamp_ms
         if type(timestamp_ms) is not int:
             raise ValueError(
                 f"watermark mode: message {message.dedup_id!r} of key {message.key!r} has no integer "
                 f"timestamp_ms ({timestamp_ms!r})"
             )
-        dedup_id = message.dedup_id
+        return (timestamp_ms, message.dedup_id)
+
+    def replay_place(self, key: KeyState, message: Message) -> str:
+        """Where a replay that is not at its key's block falls: "behind" (at or behind the key's
+        released position: something at or after it reached the app) or "ahead" (in order)."""
+        released = key.released
+        return "behind" if released is not None and self.position(message) <= released else "ahead"  # type: ignore[operator]
+
+    def resume_at(
+        self, key: KeyState, blocking: Entry | None, message: Message, n: int, now_ms: int
+    ) -> tuple[Action | None, Entry | None]:
+        """A replay of the dead letter the key was blocked at takes its place (the block is lifted):
+        back into the key's order at that position (the blocking entry was forgotten when it blocked)."""
+        return self.arrive(key, message, n, now_ms, resume=True)
+
+    def add_flagged(self, key: KeyState, entry: Entry) -> None:
+        """A replay delivered outside the key's order, ahead of its backlog (like a late message)."""
+        self.by_id[dedup_key(entry.message)] = entry
+        key.late.append(entry)
+        key.n_held += 1
+        key.n_ready += 1
+
+    def arrive(
+        self, key: KeyState, message: Message, n: int, now_ms: int, *, resume: bool = False
+    ) -> tuple[Action | None, Entry | None]:
+        """``resume``: a replay taking the place of the dead letter its key was blocked at, which
+        was released already: it goes back into the key's order there, never late."""
+        pos = self.position(message)
+        timestamp_ms = pos[0]
+        dedup_id = dedup_key(message)
         if dedup_id in self.by_id:
             return DropDuplicate(message, "duplicate of a message the engine holds"), None
         if self.memory.contains(dedup_id, now_ms):
             return DropDuplicate(message, "duplicate of a recently finished message", finish_record=True), None
-        pos = (timestamp_ms, dedup_id)
         released: tuple[int, str] | None = key.released  # type: ignore[assignment]
-        if released is not None and pos <= released:
+        if released is not None and pos <= released and not resume:
             if pos == released:
                 return DropDuplicate(message, "duplicate of the key's last released message"), None
             if not self._deliver_late:
@@ -82,7 +121,8 @@ class WatermarkPolicy:
             return None, entry
         entry = Entry(message, key, pos, n)
         self.by_id[dedup_id] = entry
-        heapq.heappush(key.heap, (pos, entry))
+        # The arrival number breaks ties: two replays of one message share a position.
+        heapq.heappush(key.heap, (pos, n, entry))
         key.n_held += 1
         watermark_ms = self.watermark_ms
         if watermark_ms is not None and timestamp_ms <= watermark_ms:
@@ -115,7 +155,7 @@ class WatermarkPolicy:
         key.n_ready -= 1
         if key.late:
             return key.late.popleft()
-        pos, entry = heapq.heappop(key.heap)
+        pos, _n, entry = heapq.heappop(key.heap)
         if key.released is None or pos > key.released:
             key.released = pos
         popped: Entry = entry
@@ -129,7 +169,7 @@ class WatermarkPolicy:
             if entry.late:
                 key.late.appendleft(entry)
             else:
-                heapq.heappush(key.heap, (entry.pos, entry))
+                heapq.heappush(key.heap, (entry.pos, entry.n, entry))
 
     def retire(self, key: KeyState, entry: Entry) -> None:
         pos = entry.pos
@@ -140,8 +180,9 @@ class WatermarkPolicy:
     def forget(self, key: KeyState, entry: Entry) -> None:
         message = entry.message
         # pop: an entry that blocked its key was forgotten then and is retired after an unblock.
-        self.by_id.pop(message.dedup_id, None)
-        self.memory.remember(message.dedup_id, message.stored_at_ms)
+        identity = dedup_key(message)
+        self.by_id.pop(identity, None)
+        self.memory.remember(identity, message.stored_at_ms)
 
     def on_blocked(self, key: KeyState, entry: Entry) -> None:
         self.forget(key, entry)
@@ -170,7 +211,7 @@ class WatermarkPolicy:
         return cursor  # type: ignore[return-value]
 
     def find(self, message: Message) -> Entry | None:
-        return self.by_id.get(message.dedup_id)
+        return self.by_id.get(dedup_key(message))
 
     def head_timestamp_ms(self, key: KeyState) -> int | None:
         return key.heap[0][0][0] if key.heap else None

@@ -92,6 +92,8 @@ class IncomingMessage:
     to_owner: bool = False
     """Persisted by a pod that does not own the key's shard: the document carries ``inbox`` so that
     the owner's Listen hands it over (also merged into a pending copy that already exists)."""
+    replay_id: str = ""
+    """An operator's replay of a dead letter (``sidecar_replay_id``): a record of its own."""
 
     def to_message(self, stored_at_ms: int, ref: str) -> Message:
         """The engine's view of this message once a store made it durable under ``ref``."""
@@ -103,6 +105,7 @@ class IncomingMessage:
             stored_at_ms=stored_at_ms,
             sequence=self.sequence,
             timestamp_ms=self.timestamp_ms,
+            replay_id=self.replay_id,
             payload=Payload(
                 data=self.data,
                 attributes=dict(self.attributes),

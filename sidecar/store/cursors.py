@@ -130,6 +130,10 @@ def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, curso
         if state.unblocked:
             last = state.last_position
             state.unblocked = {pos for pos in state.unblocked if pos > last}
+    if state.blocked_at is not None and _behind_cursor(state, state.blocked_at):
+        # The cursor passed the dead letter the key was blocked at: a replay of it was acked in its
+        # place. Forgotten, so that a later dead letter of the key blocks it again.
+        state.blocked_at = None
 
 
 def fold_dead_letter(
@@ -367,13 +371,17 @@ def _int(value: Any) -> int:
 def key_cursor(state: KeyState, mode: Mode) -> KeyCursor | None:
     """The engine's view of a recovered key (None when there is nothing to restore)."""
     blocked = is_blocked(state)
+    blocked_position = state.blocked_at if blocked else None
     if mode == "sequence" and state.next_sequence is not None:
         return KeyCursor(
             key=state.key,
             next_sequence=state.next_sequence,
             blocked=blocked,
             acked_above=tuple(sorted(state.done_above)),
+            blocked_position=blocked_position,
         )
     if mode == "watermark" and (state.last_position is not None or blocked):
-        return KeyCursor(key=state.key, last_position=state.last_position, blocked=blocked)
+        return KeyCursor(
+            key=state.key, last_position=state.last_position, blocked=blocked, blocked_position=blocked_position
+        )
     return None

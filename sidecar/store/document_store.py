@@ -146,7 +146,10 @@ class DocumentStore:
             target = layout.doc_id_of(ack.message)
             if target is None:
                 raise StoreRejected(f"commit_acks: message {ack.message.dedup_id!r} was never stored (no ref)")
-            items.append(Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
+            if ack.aside:
+                items.append(Finish(ack.message, target[0], target[1], layout.ACKED, None, aside=True))
+            else:
+                items.append(Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
         await self._finish(sub, items, now_ms, "commit_acks")
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
@@ -160,7 +163,13 @@ class DocumentStore:
             if target is None:
                 continue
             dead = state in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position_of(message) is not None
-            items.append(Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None))
+            # A replay dead-lettered aside (refused, or flagged and failed) may share its position with
+            # another message: recorded, never folded.
+            aside = bool(message.replay_id) and state != DEAD_LETTERED
+            dead = dead and not aside
+            items.append(
+                Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None, aside=aside)
+            )
         await self._finish(sub, items, now_ms, "mark_done")
 
     async def _finish(self, sub: Subscription, items: list[Finish], now_ms: int, what: str) -> None:

@@ -100,6 +100,8 @@ class Finish:
     ack: AckIntent | None = None
     dead_letter: Message | None = None
     """A dead letter (state ``dead_lettered`` or ``dead_lettered_aside``): folded into the key's cursor."""
+    aside: bool = False
+    """A replay finished outside its key's order: recorded, folded into no cursor (``layout``)."""
 
 
 class ShardWriter:
@@ -177,7 +179,13 @@ class ShardWriter:
             for item in items:
                 path = layout.message_path(sub.path, item.doc_id)
                 fields = layout.tombstone_fields(
-                    item.message, item.state, now_ms, sub.config.dedup_ttl_ms, item.cursor, sub.shard(item.message.key)
+                    item.message,
+                    item.state,
+                    now_ms,
+                    sub.config.dedup_ttl_ms,
+                    item.cursor,
+                    sub.shard(item.message.key),
+                    aside=item.aside,
                 )
                 writes.append(docs.replace(path, fields))
                 writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
@@ -284,5 +292,5 @@ def _split_group(group: list[Finish], per_commit: int) -> list[list[Finish]]:
         for i, item in enumerate(part):
             if item.ack is not None:
                 ack = AckIntent(item.ack.delivery_id, item.ack.message, None)
-                part[i] = Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack)
+                part[i] = Finish(item.message, item.doc_id, item.chunks, item.state, None, ack=ack, aside=item.aside)
     return parts

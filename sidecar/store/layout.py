@@ -9,8 +9,12 @@ Rules:
 - Document ids are hashes, never raw keys: ids cannot contain ``/``, are capped at 1,500 bytes,
   and sequential ids hotspot. ``message_doc_id`` is sha256 of ``(key, sequence)`` in sequence mode
   (so two publishes of one key and sequence meet at one document, and a different payload there is
-  a conflict), otherwise of the dedup id. Each part is length-prefixed so that no two different
-  inputs hash the same text.
+  a conflict), otherwise of the dedup id; a replay's (``replay``) is sha256 of its replay id in
+  every mode: a record of its own beside its original's tombstone, where two publishes of one
+  replay meet. Each part is length-prefixed so that no two different inputs hash the same text.
+- A replay's tombstone carries ``replay``, and ``aside`` when it finished outside its key's order
+  (acked as a flagged replay, or dead-lettered aside): recovery folds no ``aside`` tombstone into a
+  cursor, since its position may belong to another message.
 - Attributes are stored as a flat array ``[name1, value1, name2, value2, ...]``, not as a map:
   attribute names then never meet Firestore's field-name rules (``__x__`` is reserved there).
 - A message whose document would exceed ``INLINE_LIMIT_BYTES`` keeps its data in ``CHUNK_BYTES``
@@ -76,8 +80,11 @@ def _digest(*parts: bytes) -> str:
     return hasher.hexdigest()[: _ID_BYTES * 2]
 
 
-def message_doc_id(key: str, dedup_id: str, sequence: int | None) -> str:
-    """The message document id: hash(key, seq) in sequence mode, hash(dedup id) otherwise."""
+def message_doc_id(key: str, dedup_id: str, sequence: int | None, replay_id: str = "") -> str:
+    """The message document id: hash(key, seq) in sequence mode, hash(dedup id) otherwise;
+    hash(replay id) for a replay."""
+    if replay_id:
+        return _digest(b"replay", replay_id.encode())
     if sequence is not None:
         return _digest(b"seq", key.encode(), str(sequence).encode())
     return _digest(b"dedup", dedup_id.encode())
@@ -132,7 +139,7 @@ def doc_id_of(message: Message) -> tuple[str, int] | None:
     done would finish the wrong message.
     """
     if message.payload is None:
-        return message_doc_id(message.key, message.dedup_id, message.sequence), 0
+        return message_doc_id(message.key, message.dedup_id, message.sequence, message.replay_id), 0
     if not message.payload.ref:
         return None
     return parse_ref(message.payload.ref)
@@ -196,6 +203,8 @@ def message_fields(incoming: IncomingMessage, now_ms: int, chunks: int, shard: i
         fields["seq"] = incoming.sequence
     if incoming.timestamp_ms is not None:
         fields["ts"] = incoming.timestamp_ms
+    if incoming.replay_id:
+        fields["replay"] = incoming.replay_id
     if not chunks:
         fields["data"] = incoming.data
     return fields
@@ -236,6 +245,7 @@ def message_from_fields(doc_id: str, fields: dict[str, Any], data: bytes | None 
             stored_at_ms=int(fields["stored_ms"]),
             sequence=None if fields.get("seq") is None else int(fields["seq"]),
             timestamp_ms=None if fields.get("ts") is None else int(fields["ts"]),
+            replay_id=str(fields.get("replay") or ""),
             payload=Payload(
                 data=data if data is not None else bytes(fields.get("data") or b""),
                 attributes=attributes,
@@ -260,7 +270,14 @@ def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:
 
 
 def tombstone_fields(
-    message: Message, state: str, now_ms: int, ttl_ms: int, cursor: int | tuple[int, str] | None, shard: int
+    message: Message,
+    state: str,
+    now_ms: int,
+    ttl_ms: int,
+    cursor: int | tuple[int, str] | None,
+    shard: int,
+    *,
+    aside: bool = False,
 ) -> dict[str, Any]:
     """A finished message's whole document: identity stays (a late copy is still a duplicate),
     data and attributes go, ``expire_at`` lets a TTL policy delete it after the dedup TTL.
@@ -286,6 +303,10 @@ def tombstone_fields(
         fields["seq"] = message.sequence
     if message.timestamp_ms is not None:
         fields["ts"] = message.timestamp_ms
+    if message.replay_id:
+        fields["replay"] = message.replay_id
+    if aside:
+        fields["aside"] = True
     if isinstance(cursor, int):
         fields["cursor_seq"] = cursor
     elif isinstance(cursor, tuple):

@@ -100,7 +100,7 @@ class Persister:
         return [result for result in results if result is not None]
 
     def _plan(self, sub_path: str, index: int, incoming: IncomingMessage, now_ms: int, shard: int) -> _Plan:
-        doc_id = layout.message_doc_id(incoming.key, incoming.dedup_id, incoming.sequence)
+        doc_id = layout.message_doc_id(incoming.key, incoming.dedup_id, incoming.sequence, incoming.replay_id)
         path = self._message_path(sub_path, doc_id)
         fields = layout.message_fields(incoming, now_ms, chunks=0, shard=shard)
         size = layout.document_size(path, fields)

@@ -130,9 +130,9 @@ def recover(
         if shards is None or require_v2(f"message document {doc_id}", fields) in shards
     ]
     tombstones = sorted((_tombstone(doc_id, fields, mode) for doc_id, fields in mine), key=lambda t: (t[1], t[0]))
-    for _doc_id, _done_ms, key, state_name, position, cursor in tombstones:
-        if key is None:
-            continue
+    for _doc_id, _done_ms, key, state_name, position, cursor, aside in tombstones:
+        if key is None or aside:
+            continue  # aside: a replay finished outside its key's order (``layout``): never folded
         key_state = states.get(key)
         if key_state is None:
             key_state = states[key] = rules.new_state(key)
@@ -158,8 +158,8 @@ def recover(
 
 def _tombstone(
     doc_id: str, fields: dict[str, Any], mode: Mode
-) -> tuple[str, int, str | None, str, Any, Any]:
-    """(doc id, done_ms, key, state, position, cursor) of a finished message document."""
+) -> tuple[str, int, str | None, str, Any, Any, bool]:
+    """(doc id, done_ms, key, state, position, cursor, aside) of a finished message document."""
     what = f"message document {doc_id}"
     require_v2(what, fields)
     state = fields.get("state")
@@ -180,4 +180,4 @@ def _tombstone(
                 cursor = (int(fields["cursor_ts"]), str(fields["cursor_id"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDocument(f"{what}: {exc!r}") from exc
-    return doc_id, done_ms, key, state, position, cursor
+    return doc_id, done_ms, key, state, position, cursor, fields.get("aside") is True

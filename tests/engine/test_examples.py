@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from harness import seq_message, wm_message
+from harness import replay_of, seq_message, wm_message
 
 from sidecar.engine import (
     DeadLetter,
@@ -470,3 +470,91 @@ def test_a_gap_skip_after_a_restart_skips_only_what_is_missing() -> None:
     # An acked message is never taken for a late one: a copy of 3 is a duplicate, not delivered.
     (action,) = engine.on_stored(seq_message("k", 3), 20)
     assert isinstance(action, DropDuplicate)
+
+
+# ---- replays (an operator's ``dead-letters replay``) ---------------------------------------------
+
+
+def test_a_replay_of_the_blocking_message_is_the_keys_next_message_and_its_ack_moves_the_key_on() -> None:
+    engine = _blocked_at_one()
+    replay = replay_of(seq_message("k", 1), "dl-1")
+    assert engine.on_stored(replay, 2) == []
+    assert not engine.is_blocked("k") and engine.status(2)[0].keys_blocked_dead_letter == 0
+    (delivered,) = engine.take("c", 10, 2)
+    assert (delivered.message, delivered.replayed, delivered.late) == (replay, False, False)
+    assert engine.ack("c", delivered.delivery_id, 2).cursor == 2
+    engine.ack_durable([delivered.delivery_id], 2)
+    assert ack_all(engine, now_ms=2) == [("k", 2)]
+    assert ack_all(engine, now_ms=2) == [("k", 3)]
+    assert engine.export().cursors == (KeyCursor(key="k", next_sequence=4),)
+
+
+def test_a_second_copy_of_a_replay_is_a_duplicate_and_another_replay_behind_is_refused_by_default() -> None:
+    engine = _blocked_at_one()
+    replay = replay_of(seq_message("k", 1), "dl-1")
+    engine.on_stored(replay, 2)
+    (copy,) = engine.on_stored(replay, 2)
+    assert isinstance(copy, DropDuplicate) and not copy.finish_record, "its record is the held replay's"
+    (refused,) = engine.on_stored(replay_of(seq_message("k", 1), "dl-2"), 2)
+    assert isinstance(refused, DeadLetter) and (refused.reason, refused.in_order) == ("replay_behind", False)
+
+
+def test_a_replay_of_a_restored_blocked_key_unblocks_it_after_what_came_before() -> None:
+    config = EngineConfig(mode="sequence", on_dead_letter="block", max_in_flight_per_key=2)
+    snapshot = EngineSnapshot(
+        cursors=(KeyCursor(key="k", next_sequence=4, blocked=True, blocked_position=5),),
+        pending=(seq_message("k", 4), seq_message("k", 6)),
+    )
+    engine = Engine.restore(config, snapshot, 0)
+    assert taken(engine) == []
+    engine.on_stored(replay_of(seq_message("k", 5), "dl-5"), 1)
+    assert [(d.message.sequence, d.message.replay_id) for d in engine.take("c", 10, 1)] == [(4, ""), (5, "dl-5")]
+
+
+@pytest.mark.parametrize("policy", ["deliver_flagged", "refuse"])
+def test_a_replay_the_key_went_past_is_flagged_or_refused(policy: str) -> None:
+    engine = sequence_engine(on_dead_letter="skip", on_replay_behind=policy)
+    for seq in (1, 2):
+        engine.on_stored(seq_message("k", seq), 0)
+    (first,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", first.delivery_id, 0, dead_letter=True)
+    engine.dead_letter_done(letter.message, 0)
+    (second,) = engine.take("c", 1, 0)  # k#2 in flight: the key went on
+    actions = engine.on_stored(replay_of(seq_message("k", 1), "dl-1"), 1)
+    if policy == "refuse":
+        assert [(a.reason, a.in_order) for a in actions] == [("replay_behind", False)]  # type: ignore[union-attr]
+        return
+    assert actions == []
+    assert engine.take("c", 10, 1) == [], "one in flight per key: the replay waits for k#2's ack"
+    engine.ack_durable([engine.ack("c", second.delivery_id, 1).delivery_id], 1)
+    (flagged,) = engine.take("c", 10, 1)
+    assert (flagged.message.replay_id, flagged.replayed, flagged.late) == ("dl-1", True, False)
+    intent = engine.ack("c", flagged.delivery_id, 1)
+    assert intent.aside and intent.cursor == 3, "an out-of-order replay moves no cursor"
+    engine.ack_durable([flagged.delivery_id], 1)
+    assert engine.export().cursors == (KeyCursor(key="k", next_sequence=3),)
+
+
+def test_a_watermark_replay_at_the_block_resumes_the_key_in_order() -> None:
+    engine = Engine(EngineConfig(mode="watermark", on_dead_letter="block"))
+    first, second = wm_message("p", 10, "a"), wm_message("p", 20, "b")
+    for message in (first, second):
+        engine.on_stored(message, 0)
+    engine.advance_watermark(100, 0)
+    (delivery,) = engine.take("c", 1, 0)
+    (letter,) = engine.nack("c", delivery.delivery_id, 0, dead_letter=True)
+    engine.dead_letter_done(letter.message, 0)
+    replay = replay_of(first, "dl-a")
+    assert engine.on_stored(replay, 1) == []
+    assert [d.message for d in engine.take("c", 10, 1)] == [replay]
+
+
+def test_in_none_mode_a_replay_is_an_ordinary_message_with_its_own_identity() -> None:
+    engine = Engine(EngineConfig(mode="none"))
+    original = Message("k", "id-1", "m-1", b"f", 0)
+    engine.on_stored(original, 0)
+    ack_all(engine)
+    assert engine.on_stored(original, 0)[0].reason.startswith("duplicate")  # type: ignore[union-attr]
+    replay = replay_of(original, "dl-1")
+    assert engine.on_stored(replay, 0) == []
+    assert [(d.message, d.replayed) for d in engine.take("c", 10, 0)] == [(replay, False)]

@@ -39,6 +39,7 @@ class Received:
     data: bytes
     attributes: dict[str, str]
     message_id: str
+    ordering_key: str = ""
 
 
 class Collector:
@@ -110,7 +111,7 @@ class PubSubAdmin:
 
         response = await asyncio.to_thread(pull)
         return [
-            Received(r.message.data, dict(r.message.attributes), r.message.message_id)
+            Received(r.message.data, dict(r.message.attributes), r.message.message_id, r.message.ordering_key)
             for r in response.received_messages
         ]
 

@@ -96,7 +96,8 @@ async def test_watermark_cursor_is_the_highest_acked_position(make_store):
 
 
 @pytest.mark.parametrize(
-    ("policy", "expected"), [("block", KeyCursor("a", 2, blocked=True)), ("skip", KeyCursor("a", 3))]
+    ("policy", "expected"),
+    [("block", KeyCursor("a", 2, blocked=True, blocked_position=2)), ("skip", KeyCursor("a", 3))],
 )
 async def test_dead_letter_blocks_or_skips_the_key_after_restart(make_store, policy, expected):
     config = {"orders": SubscriptionStoreConfig(mode="sequence", on_dead_letter=policy)}
@@ -246,7 +247,7 @@ async def test_unblock_is_durable_and_a_restart_does_not_block_the_key_again(mak
     one, two, _three = await _stored(store, [incoming("a", 1), incoming("a", 2), incoming("a", 3)])
     await store.commit_acks("orders", [ack(one, 2)], 1000)
     await store.mark_done("orders", [two], "dead_lettered", 1100)
-    assert store.cursor("orders", "a") == KeyCursor("a", 2, blocked=True)
+    assert store.cursor("orders", "a") == KeyCursor("a", 2, blocked=True, blocked_position=2)
     # Within the coalescing interval of the last cursor write: the unblock writes it anyway.
     assert await store.unblock("orders", "a", 1200) == 2
     assert await store.unblock("orders", "a", 1300) is None  # not blocked any more
@@ -279,7 +280,8 @@ async def test_watermark_unblock_survives_a_restart(make_store):
         subscription="prices",
     )  # fmt: skip
     await store.mark_done("prices", [first], "dead_lettered", 1100)
-    assert (await make_store(config).load("prices", 1500)).cursors == (KeyCursor("p", blocked=True),)
+    blocked = KeyCursor("p", blocked=True, blocked_position=(100, "id100"))
+    assert (await make_store(config).load("prices", 1500)).cursors == (blocked,)
     assert await store.unblock("prices", "p", 1200) == (100, "id100")
     snapshot = await make_store(config).load("prices", 2000)
     assert snapshot.cursors == ()

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from store_helpers import ack, client_of, documents, incoming
 
+from sidecar.engine.types import AckIntent
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store.api import PersistOutcome, ShardLost, StoreUnavailable, SubscriptionStoreConfig
@@ -169,6 +170,39 @@ async def test_intake_for_another_pod_carries_inbox_and_a_pending_copy_gains_it(
     await store.commit_acks("orders", [ack(result.message, 2)], 3000)
     done = [f for f in (await documents(client_of(store), f"{_ROOT}/messages")).values() if f["state"] == "acked"]
     assert len(done) == 1 and "inbox" not in done[0], "a tombstone keeps inbox: the owner's Listen would see it"
+
+
+async def test_a_replay_is_a_message_document_like_any_other_shard_inbox_and_fenced_tombstones(make_store):
+    """Stored for another pod, a replay carries ``shard`` and ``inbox``; its owner loads it with its
+    shard; its tombstones (in the key's order or aside) are fenced like every other, and once the
+    shard is lost nothing of it applies."""
+    first, second = _keys_in_two_shards()
+    s1, s2 = shard_of(first, _SHARDS), shard_of(second, _SHARDS)
+    leases = Leases("pod-a", {s1: 1, s2: 1})
+    store = make_store(_CONFIG, fences=leases)
+    await _set_leases(store, {s1: ("pod-a", 1), s2: ("pod-a", 1)})
+    await store.load("orders", 1000, shards=frozenset({s1, s2}))
+    replays = [
+        dataclasses.replace(incoming(key, 1), message_id=f"replay-{key}", replay_id=f"dl-{key}", to_owner=True)
+        for key in (first, second)
+    ]
+    on_time, other = [r.message for r in await store.persist("orders", replays, 1000)]
+    stored = {f["replay"]: f for f in (await documents(client_of(store), f"{_ROOT}/messages")).values()}
+    assert {(f["shard"], f["inbox"], f["state"]) for f in stored.values()} == {(s1, s1, "pending"), (s2, s2, "pending")}
+    owner = make_store(_CONFIG)
+    snapshot = await owner.load("orders", 1500, shards=frozenset({s2}))
+    assert [(m.key, m.replay_id) for m in snapshot.pending] == [(second, f"dl-{second}")]
+    await _set_leases(store, {s2: ("pod-b", 2)})  # pod-a does not know yet
+    with pytest.raises(ShardLost) as caught:
+        await store.commit_acks(
+            "orders", [ack(on_time, 2), AckIntent(f"d-{other.dedup_id}", other, 1, aside=True)], 2000
+        )
+    assert caught.value.shards == {s2}
+    stored = {f["replay"]: f for f in (await documents(client_of(store), f"{_ROOT}/messages")).values()}
+    assert (stored[f"dl-{first}"]["state"], stored[f"dl-{first}"]["shard"]) == ("acked", s1)
+    assert "inbox" not in stored[f"dl-{first}"], "a tombstone keeps no inbox: the owner's Listen would see it"
+    assert stored[f"dl-{second}"]["state"] == "pending", "the lost shard's aside ack applied"
+    assert store.cursor("orders", first) is not None
 
 
 async def test_reads_added_by_fencing_one_per_shard_touched_per_commit() -> None:

@@ -55,7 +55,9 @@ class Message:
 
     ``publish_time`` and ``event_time`` are timezone-aware UTC datetimes (``event_time`` is None
     outside watermark mode); ``sequence`` is 0 outside sequence mode; ``skipped`` holds the
-    inclusive ``(first, last)`` sequence ranges skipped right before this message.
+    inclusive ``(first, last)`` sequence ranges skipped right before this message. ``replayed`` says
+    that an operator replayed this message from the dead-letter topic after its key had gone past
+    it: it is not in its original order (a replay that took its place in the order is not flagged).
     """
 
     delivery_id: str
@@ -73,6 +75,7 @@ class Message:
     epoch: int
     """The fencing token of this key: its shard's lease epoch at the delivering sidecar (0 without
     leases). Grows whenever the key moves to another sidecar; refuse side effects of a lower one."""
+    replayed: bool
     _subscriber: OrderedSubscriber = field(repr=False)
     _stream: _Stream = field(repr=False)
     _settled: bool = field(default=False, repr=False)

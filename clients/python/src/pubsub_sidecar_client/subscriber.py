@@ -382,6 +382,7 @@ class OrderedSubscriber:
                 late=proto.late,
                 skipped=tuple((r.first, r.last) for r in proto.skipped),
                 epoch=proto.epoch,
+                replayed=proto.replayed,
                 _subscriber=self,
                 _stream=stream,
             )
