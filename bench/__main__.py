@@ -4,6 +4,7 @@
     python -m bench --quick              # small sizes, under 3 minutes
     python -m bench --scenario seq-100keys --scenario recovery
     python -m bench --scenario smoke     # tiny: baseline + seq-100keys (the smoke test's run)
+    python -m bench --quick --scenario scale-out   # 1 vs 3 pods, failover, hand-over (only when named)
 
 Starts the emulators and one sidecar per scenario as real processes, prints one table and writes
 ``bench/results/<scenario>.json`` (with core count and package versions) for each scenario. Ratios

@@ -265,6 +265,14 @@ class Sidecar:
         """SIGTERM (the sidecar drains and exits) and wait; returns the exit code."""
         return _stop_process(self._proc, 60)
 
+    def kill9(self) -> int | None:
+        """SIGKILL (a crash: no drain, no hand-over) and wait; returns the exit code."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+        return self._proc.wait(10)
+
     def output_tail(self, n: int = 30) -> str:
         return self._out.tail(n) if self._out is not None else ""
 

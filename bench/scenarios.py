@@ -86,10 +86,12 @@ SIZES: dict[str, Sizes] = {
 class Scenario:
     name: str
     kind: str
-    """"baseline", "sidecar", "recovery" or "held"."""
+    """"baseline", "sidecar", "recovery", "held" or "scale-out"."""
     mode: str = "sequence"
     keys: int = 100
     description: str = ""
+    opt_in: bool = False
+    """Runs only when named: not part of the default run (its minutes go to pod start-ups and waits)."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -103,6 +105,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("watermark-100keys", "sidecar", "watermark", 100, "watermark mode, 100 keys"),
         Scenario("recovery", "recovery", "sequence", 0, "start to /readyz with N pending"),
         Scenario("held-gap", "held", "sequence", 1, "one key held behind a gap, then filled"),
+        Scenario("scale-out", "scale-out", "sequence", 100, "1 vs 3 pods, failover, handover, lease upkeep", True),
     )
 }
 
@@ -149,7 +152,7 @@ def build_stream(count: int, keys: int, phase: str, key_prefix: str, seed: int) 
     return with_retries, count
 
 
-def _subscription_entry(scenario: Scenario, subscription: str) -> dict[str, Any]:
+def subscription_entry(scenario: Scenario, subscription: str) -> dict[str, Any]:
     key = {"attribute": "order_id"}
     ordering: dict[str, Any]
     if scenario.mode == "sequence":
@@ -176,11 +179,14 @@ def _subscription_entry(scenario: Scenario, subscription: str) -> dict[str, Any]
     return entry
 
 
-class _App:
+class BenchApp:
     """The no-op app: reads through ``OrderedSubscriber`` and acks every message at once."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, track_arrivals: bool = False) -> None:
         self._subscriber = OrderedSubscriber(target, "bench")
+        self._track_arrivals = track_arrivals
+        self.arrivals: list[tuple[float, str]] = []
+        """(instant, key) of every delivery, redeliveries included, when ``track_arrivals``."""
         self.distinct: set[str] = set()
         self.redeliveries = 0
         self.sequences: list[int] = []
@@ -202,6 +208,8 @@ class _App:
         async for message in self._subscriber:
             now = time.time()
             await message.ack()
+            if self._track_arrivals:
+                self.arrivals.append((now, message.key))
             identity = message.attributes["event_id"]
             if identity in self.distinct:
                 self.redeliveries += 1
@@ -246,13 +254,13 @@ async def _wait_acks_durable(sidecar: Sidecar, count: int) -> None:
     await asyncio.to_thread(
         wait_until,
         lambda: sidecar.metric("pubsub_sidecar_acked_total") >= count,
-        _phase_timeout(count),
+        phase_timeout(count),
         f"the sidecar to make {count} app acks durable",
         0.1,
     )
 
 
-def _phase_timeout(count: int) -> float:
+def phase_timeout(count: int) -> float:
     """Deadline for a phase: generous (shared, noisy cores) yet finite."""
     return 120.0 + count / 20.0
 
@@ -284,6 +292,11 @@ class Runner:
             return await self._sidecar(scenario)
         if scenario.kind == "held":
             return await self._held(scenario)
+        if scenario.kind == "scale-out":
+            # Imported here: bench.scale_out builds on this module (BenchApp, build_stream, ...).
+            from bench.scale_out import run_scale_out
+
+            return await run_scale_out(self, scenario)
         return await self._recovery(scenario)
 
     def _latency_stream(self, scenario: Scenario) -> tuple[list[Outgoing], int]:
@@ -296,12 +309,12 @@ class Runner:
         result, wait = self.pubsub.start_baseline(subscription)
         try:
             started = await asyncio.to_thread(self.pubsub.publish, subscription, stream)
-            await asyncio.to_thread(wait, len(stream), _phase_timeout(len(stream)))
+            await asyncio.to_thread(wait, len(stream), phase_timeout(len(stream)))
             elapsed = result.last_at - started
             rate = self.sizes.latency_rate_per_second
             await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
             total = len(stream) + len(latency_stream)
-            await asyncio.to_thread(wait, total, _phase_timeout(len(latency_stream)))
+            await asyncio.to_thread(wait, total, phase_timeout(len(latency_stream)))
         finally:
             await asyncio.to_thread(result.stop)
         return Result(
@@ -323,26 +336,26 @@ class Runner:
         config = write_sidecar_config(
             self.workdir / f"{scenario.name}.yaml",
             root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
-            subscription=_subscription_entry(scenario, subscription),
+            subscription=subscription_entry(scenario, subscription),
         )
         sidecar = Sidecar(config, self.emulators.env)
         sidecar.start()
-        app: _App | None = None
+        app: BenchApp | None = None
         try:
             await asyncio.to_thread(sidecar.wait_ready)
             self.emulators.reset_firestore_counters()
             cpu_before = cpu_seconds(sidecar.pid)
-            app = _App(sidecar.grpc)
+            app = BenchApp(sidecar.grpc)
             app.start()
             started = await asyncio.to_thread(self.pubsub.publish, subscription, stream)
-            await app.wait_for(distinct, _phase_timeout(count))
+            await app.wait_for(distinct, phase_timeout(count))
             elapsed = app.last_at - started
             # The latency phase starts on a settled sidecar, so that it measures the pipeline and
             # not the tail of the throughput phase's ack commits.
             await _wait_acks_durable(sidecar, distinct)
             rate = self.sizes.latency_rate_per_second
             await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
-            await app.wait_for(total_distinct, _phase_timeout(len(latency_stream)))
+            await app.wait_for(total_distinct, phase_timeout(len(latency_stream)))
             # CPU up to the point where every ack is durable: that work belongs to these messages.
             await _wait_acks_durable(sidecar, total_distinct)
             cpu_used = cpu_seconds(sidecar.pid) - cpu_before
@@ -394,7 +407,7 @@ class Runner:
         pending = self.sizes.recovery_pending
         keys = self.sizes.recovery_keys
         stream = [Outgoing(f"r-{i % keys}", i // keys + 1, "recovery") for i in range(pending)]
-        entry = _subscription_entry(Scenario(scenario.name, "sidecar", "sequence", keys), subscription)
+        entry = subscription_entry(Scenario(scenario.name, "sidecar", "sequence", keys), subscription)
         # No app drains the backlog: without this the sidecar would (rightly) stop pulling at
         # 10,000 undelivered messages and leave the rest in Pub/Sub.
         entry["flow_control"] = {"max_undelivered_messages": None}
@@ -412,7 +425,7 @@ class Runner:
             await asyncio.to_thread(
                 wait_until,
                 lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
-                _phase_timeout(pending),
+                phase_timeout(pending),
                 f"the sidecar to store {pending} messages",
                 0.5,
             )
@@ -455,7 +468,7 @@ async def _held_gap(runner: Runner, scenario: Scenario) -> Result:
     sizes = runner.sizes
     count = sizes.held_messages
     subscription = runner._new_subscription(scenario)
-    entry = _subscription_entry(scenario, subscription)
+    entry = subscription_entry(scenario, subscription)
     entry["flow_control"] = {"max_held_bytes": f"{sizes.held_budget_mib:g}MiB"}
     # A window of 32: the drain is limited by the app, not by one ack commit per message (one key).
     entry["delivery"] = {"max_in_flight_per_key": 32}
@@ -466,11 +479,11 @@ async def _held_gap(runner: Runner, scenario: Scenario) -> Result:
     )
     sidecar = Sidecar(config, runner.emulators.env)
     sidecar.start()
-    app: _App | None = None
+    app: BenchApp | None = None
     try:
         await asyncio.to_thread(sidecar.wait_ready)
         runner.emulators.reset_firestore_counters()
-        app = _App(sidecar.grpc)
+        app = BenchApp(sidecar.grpc)
         app.start()
         held = [Outgoing("held", seq, "throughput") for seq in range(2, count + 2)]
         fill_started = time.monotonic()
@@ -478,7 +491,7 @@ async def _held_gap(runner: Runner, scenario: Scenario) -> Result:
         await asyncio.to_thread(
             wait_until,
             lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= count,
-            _phase_timeout(count),
+            phase_timeout(count),
             f"the sidecar to hold {count} messages",
             0.5,
         )
@@ -488,7 +501,7 @@ async def _held_gap(runner: Runner, scenario: Scenario) -> Result:
             raise BenchError(f"held-gap: {len(app.distinct)} messages were delivered past the gap")
         drain_started = time.monotonic()
         await asyncio.to_thread(runner.pubsub.publish, subscription, [Outgoing("held", 1, "throughput")], None, 1_000)
-        await app.wait_for(count + 1, _phase_timeout(count))
+        await app.wait_for(count + 1, phase_timeout(count))
         drain_seconds = time.monotonic() - drain_started
         rss = peak_rss_mb(sidecar.pid)
         in_order = app.sequences == list(range(1, count + 2))
@@ -527,7 +540,7 @@ def resolve(names: Sequence[str] | None, quick: bool) -> tuple[Sizes, str, list[
     (every ratio is to the baseline of the same run)."""
     profile = "quick" if quick else "full"
     wanted: list[str] = []
-    for name in names or list(SCENARIOS):
+    for name in names or [n for n, s in SCENARIOS.items() if not s.opt_in]:
         if name in PRESETS:
             profile, members = PRESETS[name]
             wanted.extend(members)

@@ -98,6 +98,14 @@ def test_resolve_adds_the_baseline_and_rejects_unknown_names() -> None:
         resolve(["nope"], quick=True)
 
 
+def test_scale_out_runs_only_when_named_and_without_the_baseline() -> None:
+    _, profile, scenarios = resolve(["scale-out"], quick=True)
+    assert profile == "quick"
+    assert [s.name for s in scenarios] == ["scale-out"]
+    _, _, default = resolve(None, quick=False)
+    assert "scale-out" not in [s.name for s in default] and "baseline" in [s.name for s in default]
+
+
 def test_table_shows_dash_for_columns_a_scenario_does_not_measure() -> None:
     table = format_table([Result("recovery", "r", messages=100_000, ready_seconds=4.25, peak_rss_mb=120.4)])
     header, rule, row = table.splitlines()

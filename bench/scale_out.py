@@ -1,0 +1,350 @@
+"""The scale-out scenario: several sidecar pods on one subscription (shard leases), in one run.
+
+    python -m bench --quick --scenario scale-out
+
+Each pod is a real ``pubsub-sidecar run`` process (``POD_NAME`` pod-0, pod-1, ...) with its own gRPC
+port and its own no-op app (``BenchApp``); every fleet of pods gets a fresh subscription and Firestore
+root on the run's one emulators process, and is stopped before the next starts, so the Firestore
+counters belong to one fleet. Shards: 16; lease 10 s, drain timeout 5 s, except for the failover
+(5 s lease). Before any traffic the bench waits until every pod holds its share of the shards
+(GetStatus), so nothing measured includes the start-up's balancing.
+
+1. **Throughput and Firestore operations per message, 1 pod against 3 pods**: the scenario's usual
+   stream (sequence mode, 100 keys, 10% shuffled, 1% duplicated) consumed by one pod, then by three.
+   msg/s = distinct messages delivered / (last delivery - first publish); operations = reads +
+   writes + deletes counted by the emulator from the first publish until every app ack is durable
+   (lease upkeep included), per distinct message. The lease upkeep inside that window is estimated
+   from the same fleet's idle rate (measured just before, see 4) times its length.
+2. **Failover after kill -9**: 3 pods, steady traffic on many keys; one pod's shards are read from
+   its GetStatus, then it is killed; the figure runs from the kill to the first delivery, by another
+   pod's app, of a key of one of those shards.
+3. **Hand-over on SIGTERM**: the same with SIGTERM (the pod drains its app, then hands its leases
+   over); the pod's exit code is reported too.
+4. **Lease upkeep**: each fleet idles (apps connected, no traffic) for ``UPKEEP_SECONDS``; the
+   emulator's counter deltas / pods / minutes. The 3-pod figure is the one reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from bench.harness import BenchError, Outgoing, Sidecar, cpu_seconds, wait_until, write_sidecar_config
+from bench.scenarios import BenchApp, Result, Scenario, build_stream, phase_timeout, subscription_entry
+from pubsub_sidecar_client.status import get_status
+from sidecar.shards import shard_of
+
+if TYPE_CHECKING:
+    from bench.scenarios import Runner
+
+SHARDS = 16
+PODS = 3
+LEASE_SECONDS = 10.0
+"""The default lease: the throughput and hand-over fleets run as a user's would."""
+FAILOVER_LEASE_SECONDS = 5.0
+"""Failover after kill -9 is bounded by the lease: a short one keeps the run short."""
+DRAIN_TIMEOUT = "5s"
+UPKEEP_SECONDS = 30.0
+"""Idle window per fleet: ten lease rounds at the default lease, enough to average out their phase."""
+STEADY_RATE_PER_SECOND = 100.0
+"""Traffic around a kill or SIGTERM: every shard gets several messages a second, so the first
+delivery after a take-over is not waiting for traffic, and far below what three pods can take."""
+STEADY_KEYS = 480
+STEADY_SECONDS = 20.0
+"""Long enough to cover signal + lease expiry + take-over + load with margin."""
+BALANCE_TIMEOUT_SECONDS = 90.0
+TAKEOVER_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass
+class Fleet:
+    """The pods of one subscription, all from one config file; ``apps[i]`` reads from ``pods[i]``."""
+
+    runner: Runner
+    subscription: str
+    config_name: str
+    lease_seconds: float
+    pods: list[Sidecar] = field(default_factory=list)
+    apps: list[BenchApp] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    """Indexes of the pods still running."""
+    _apps_stopped: set[int] = field(default_factory=set)
+
+    @classmethod
+    def create(cls, runner: Runner, scenario: Scenario, tag: str, lease_seconds: float) -> Fleet:
+        name = f"{scenario.name}-{tag}"
+        return cls(runner, runner.pubsub.create(f"{name}-{uuid.uuid4().hex[:8]}"), name, lease_seconds)
+
+    async def start(self, scenario: Scenario, count: int) -> None:
+        entry = subscription_entry(scenario, self.subscription)
+        entry["sharding"] = {
+            "shards": SHARDS,
+            "lease_duration": f"{self.lease_seconds:g}s",
+            "drain_timeout": DRAIN_TIMEOUT,
+        }
+        config = write_sidecar_config(
+            self.runner.workdir / f"{self.config_name}.yaml",
+            root=f"bench-{self.config_name}-{uuid.uuid4().hex[:6]}",
+            subscription=entry,
+        )
+        for index in range(count):
+            pod = Sidecar(config, {**self.runner.emulators.env, "POD_NAME": f"pod-{index}"})
+            self.pods.append(pod)
+            pod.start()
+            self.live.append(index)
+        await asyncio.gather(*(asyncio.to_thread(pod.wait_ready) for pod in self.pods))
+        for pod in self.pods:
+            app = BenchApp(pod.grpc, track_arrivals=True)
+            app.start()
+            self.apps.append(app)
+
+    async def shards_of(self, index: int) -> set[int]:
+        response = await get_status(self.pods[index].grpc, "bench")
+        return {shard.shard for shard in response.subscriptions[0].shards}
+
+    async def wait_balanced(self) -> dict[int, set[int]]:
+        """Until the live pods' shards are disjoint, cover every shard and each holds its share."""
+        deadline = time.monotonic() + BALANCE_TIMEOUT_SECONDS
+        owned: dict[int, set[int]] = {}
+        while True:
+            owned = {index: await self.shards_of(index) for index in self.live}
+            held = sorted(shard for shards in owned.values() for shard in shards)
+            floor, ceil = SHARDS // len(self.live), -(-SHARDS // len(self.live))
+            if held == list(range(SHARDS)) and all(floor <= len(s) <= ceil for s in owned.values()):
+                return owned
+            if time.monotonic() > deadline:
+                counts = {index: len(shards) for index, shards in owned.items()}
+                raise BenchError(
+                    f"shards not balanced over pods {self.live} in {BALANCE_TIMEOUT_SECONDS:.0f}s: {counts}"
+                )
+            await asyncio.sleep(0.2)
+
+    def distinct(self) -> set[str]:
+        return set().union(*(app.distinct for app in self.apps))
+
+    async def wait_delivered(self, count: int, within_seconds: float) -> None:
+        deadline = time.monotonic() + within_seconds
+        while len(self.distinct()) < count:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the apps got {len(self.distinct())} of {count} messages in {within_seconds:.0f}s")
+            await asyncio.sleep(0.05)
+
+    async def wait_acks_durable(self, count: int) -> None:
+        def acked() -> bool:
+            return sum(self.pods[i].metric("pubsub_sidecar_acked_total") for i in self.live) >= count
+
+        await asyncio.to_thread(wait_until, acked, phase_timeout(count), f"the pods to make {count} acks durable", 0.1)
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(self.pods[i].pid) for i in self.live)
+
+    async def stop_app(self, index: int) -> None:
+        if index not in self._apps_stopped:
+            self._apps_stopped.add(index)
+            await self.apps[index].stop()
+
+    async def stop(self) -> list[int | None]:
+        """Stop every app, then every pod (SIGTERM, in turn); returns the exit codes. Idempotent; a
+        failure to stop one is printed and the others are still stopped (a loop, not a gather, so
+        that each step is known to be done before the next)."""
+        codes: list[int | None] = []
+        for index in range(len(self.apps)):
+            try:
+                await self.stop_app(index)
+            except Exception as exc:
+                print(f"bench: stopping app {index} of {self.config_name}: {exc!r}", file=sys.stderr, flush=True)
+        for index, pod in enumerate(self.pods):
+            try:
+                codes.append(await asyncio.to_thread(pod.stop))
+            except Exception as exc:
+                codes.append(None)
+                print(f"bench: stopping pod {index} of {self.config_name}: {exc!r}", file=sys.stderr, flush=True)
+        self.live.clear()
+        return codes
+
+
+def _first_arrival(apps: Sequence[BenchApp], shards: set[int], after: float) -> float | None:
+    """The earliest delivery after ``after``, by one of ``apps``, of a key of one of ``shards``."""
+    return min(
+        (at for app in apps for at, key in app.arrivals if at > after and shard_of(key, SHARDS) in shards),
+        default=None,
+    )
+
+
+async def _idle_upkeep(fleet: Fleet) -> dict[str, float]:
+    """Firestore operations per pod per minute while the fleet idles for ``UPKEEP_SECONDS``."""
+    emulators = fleet.runner.emulators
+    emulators.reset_firestore_counters()
+    started = time.monotonic()
+    await asyncio.sleep(UPKEEP_SECONDS)  # the measured window itself, not a synchronisation
+    counters = emulators.firestore_counters()
+    minutes = (time.monotonic() - started) / 60.0
+    pods = len(fleet.live)
+    per_pod_minute = {name: value / pods / minutes for name, value in counters.items()}
+    per_pod_minute["operations"] = sum(counters.values()) / pods / minutes
+    return per_pod_minute
+
+
+async def _throughput(runner: Runner, scenario: Scenario, pods: int) -> tuple[dict[str, Any], Fleet]:
+    """Idle upkeep, then the stream, on a new fleet of ``pods``; returns the figures and the fleet
+    (still running: the caller stops it)."""
+    fleet = Fleet.create(runner, scenario, f"{pods}pod", LEASE_SECONDS)
+    await fleet.start(scenario, pods)
+    await fleet.wait_balanced()
+    upkeep = await _idle_upkeep(fleet)
+    count = runner.sizes.messages
+    stream, distinct = build_stream(count, scenario.keys, "throughput", "k-", seed=1)
+    runner.emulators.reset_firestore_counters()
+    window_started = time.monotonic()
+    cpu_before = fleet.cpu_seconds()
+    started = await asyncio.to_thread(runner.pubsub.publish, fleet.subscription, stream)
+    await fleet.wait_delivered(distinct, phase_timeout(count))
+    elapsed = max(app.last_at for app in fleet.apps) - started
+    await fleet.wait_acks_durable(distinct)
+    counters = runner.emulators.firestore_counters()
+    window_seconds = time.monotonic() - window_started
+    cpu_used = fleet.cpu_seconds() - cpu_before
+    operations = sum(counters.values())
+    lease_estimate = upkeep["operations"] * pods * window_seconds / 60.0
+    figures = {
+        "pods": pods,
+        "messages": distinct,
+        "published": len(stream),
+        "messages_per_second": distinct / elapsed,
+        "operations_per_message": operations / distinct,
+        "reads_per_message": counters["reads"] / distinct,
+        "writes_deletes_per_message": (counters["writes"] + counters["deletes"]) / distinct,
+        "lease_operations_estimate": lease_estimate,
+        "lease_operations_per_message_estimate": lease_estimate / distinct,
+        "window_seconds": window_seconds,
+        "firestore": counters,
+        "idle_upkeep_per_pod_per_minute": upkeep,
+        "cpu_seconds_per_10k": cpu_used / distinct * 10_000,
+        "redeliveries_to_apps": sum(app.redeliveries for app in fleet.apps),
+        "delivered_per_pod": [len(app.distinct) for app in fleet.apps],
+    }
+    return figures, fleet
+
+
+async def _takeover(fleet: Fleet, how: str) -> dict[str, Any]:
+    """Steady traffic on the balanced fleet; ``how`` ("kill9" or "sigterm") stops pod 1; the time
+    from the signal to the first delivery, by another pod, of a key of one of its shards."""
+    runner = fleet.runner
+    victim = 1
+    count = int(STEADY_RATE_PER_SECOND * STEADY_SECONDS)
+    # A new key prefix per take-over: sequences start at 1 on keys no earlier phase touched.
+    stream = [Outgoing(f"{how}-{i % STEADY_KEYS}", i // STEADY_KEYS + 1, how) for i in range(count)]
+    owned = await fleet.wait_balanced()
+    publishing = asyncio.create_task(
+        asyncio.to_thread(runner.pubsub.publish, fleet.subscription, stream, STEADY_RATE_PER_SECOND)
+    )
+    try:
+        # Traffic flows through every pod before the signal.
+        deadline = time.monotonic() + TAKEOVER_TIMEOUT_SECONDS
+        while not all(any(key.startswith(f"{how}-") for _, key in fleet.apps[i].arrivals) for i in fleet.live):
+            if time.monotonic() > deadline or publishing.done():
+                raise BenchError(f"{how}: steady traffic did not reach every pod's app")
+            await asyncio.sleep(0.05)
+        shards = await fleet.shards_of(victim)
+        if shards != owned[victim]:
+            raise BenchError(f"{how}: pod {victim}'s shards moved before the signal: {owned[victim]} -> {shards}")
+        others = [fleet.apps[i] for i in fleet.live if i != victim]
+        signalled_at = time.time()
+        if how == "kill9":
+            exiting = asyncio.create_task(asyncio.to_thread(fleet.pods[victim].kill9))
+        else:
+            exiting = asyncio.create_task(asyncio.to_thread(fleet.pods[victim].stop))
+        fleet.live.remove(victim)
+        deadline = time.monotonic() + TAKEOVER_TIMEOUT_SECONDS
+        while (first := _first_arrival(others, shards, signalled_at)) is None:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{how}: no other pod delivered a key of shards {sorted(shards)} in 60s")
+            await asyncio.sleep(0.02)
+        exit_code = await exiting
+        await fleet.stop_app(victim)
+        rebalanced = await fleet.wait_balanced()
+    finally:
+        await publishing
+    return {
+        "seconds": first - signalled_at,
+        "victim_shards": sorted(shards),
+        "exit_code": exit_code,
+        "lease_seconds": fleet.lease_seconds,
+        "survivor_shard_counts": [len(s) for s in rebalanced.values()],
+        "steady_rate_per_second": STEADY_RATE_PER_SECOND,
+        "steady_keys": STEADY_KEYS,
+    }
+
+
+async def run_scale_out(runner: Runner, scenario: Scenario) -> Result:
+    fleets: list[Fleet] = []
+    try:
+        one, fleet = await _throughput(runner, scenario, 1)
+        fleets.append(fleet)
+        one["exit_codes"] = await fleet.stop()
+        three, fleet = await _throughput(runner, scenario, PODS)
+        fleets.append(fleet)
+        handover = await _takeover(fleet, "sigterm")
+        three["exit_codes"] = await fleet.stop()
+        fleet = Fleet.create(runner, scenario, "failover", FAILOVER_LEASE_SECONDS)
+        fleets.append(fleet)
+        await fleet.start(scenario, PODS)
+        failover = await _takeover(fleet, "kill9")
+    finally:
+        # Stopping twice is harmless: this catches a fleet left running by a failed step.
+        for leftover in fleets:
+            await leftover.stop()
+    upkeep = three["idle_upkeep_per_pod_per_minute"]["operations"]
+    extra = {
+        "shards": SHARDS,
+        "one_pod": one,
+        "three_pods": three,
+        "throughput_ratio": three["messages_per_second"] / one["messages_per_second"],
+        "operations_per_message_delta": three["operations_per_message"] - one["operations_per_message"],
+        "failover_kill9": failover,
+        "handover_sigterm": handover,
+        "lease_upkeep_per_pod_per_minute": upkeep,
+        "upkeep_seconds": UPKEEP_SECONDS,
+    }
+    extra["goals_met"] = {
+        "operations_per_message_delta_at_most_0.3": extra["operations_per_message_delta"] <= 0.3,
+        "throughput_ratio_at_least_1": extra["throughput_ratio"] >= 1.0,
+        "failover_within_lease_plus_2s": failover["seconds"] <= FAILOVER_LEASE_SECONDS + 2.0,
+        "handover_under_2s": handover["seconds"] < 2.0,
+    }
+    _print_summary(extra)
+    return Result(
+        scenario.name,
+        f"{PODS} pods, {SHARDS} shards (1 pod, failover, handover, upkeep: see the JSON)",
+        messages=three["messages"],
+        messages_per_second=three["messages_per_second"],
+        reads_per_message=three["reads_per_message"],
+        writes_deletes_per_message=three["writes_deletes_per_message"],
+        cpu_seconds_per_10k=three["cpu_seconds_per_10k"],
+        extra=extra,
+    )
+
+
+def _print_summary(extra: dict[str, Any]) -> None:
+    one, three = extra["one_pod"], extra["three_pods"]
+    for figures in (one, three):
+        print(
+            f"bench: scale-out {figures['pods']} pod(s): {figures['messages_per_second']:,.0f} msg/s, "
+            f"{figures['operations_per_message']:.2f} Firestore ops/msg (lease upkeep about "
+            f"{figures['lease_operations_per_message_estimate']:.2f} of them)",
+            flush=True,
+        )
+    failover, handover = extra["failover_kill9"], extra["handover_sigterm"]
+    print(
+        f"bench: scale-out 3 vs 1 pod: throughput x{extra['throughput_ratio']:.2f}, "
+        f"{extra['operations_per_message_delta']:+.2f} ops/msg; failover after kill -9 "
+        f"{failover['seconds']:.2f} s (lease {failover['lease_seconds']:g} s); hand-over after SIGTERM "
+        f"{handover['seconds']:.2f} s (exit code {handover['exit_code']}); lease upkeep "
+        f"{extra['lease_upkeep_per_pod_per_minute']:.0f} ops/pod/min",
+        flush=True,
+    )
