@@ -13,12 +13,10 @@ from Commit -> ``documents.AlreadyExists``; FAILED_PRECONDITION from Commit (an 
 precondition) -> ``documents.PreconditionFailed``; anything else (permission, missing database or index) ->
 ``documents.Misconfigured``.
 
-``listen`` is the exception to "raw protobufs through the async client": it runs the official sync
-``Client``'s watch (``Query.on_snapshot``, ``google/cloud/firestore_v1/watch.py``: resume tokens,
-reconnects with backoff, consistent snapshots), which only the sync client has. The watch calls back
-on its own thread; ``_Listening`` hops each snapshot onto the caller's loop with
-``call_soon_threadsafe``. It decodes documents into Python values itself (``to_dict``), so those are
-normalised to what ``_get_value`` gives (plain UTC ``datetime``, reference names as strings).
+``listen`` opens the Listen RPC through the same GAPIC client and keeps the protocol's state itself
+(``_Listening``: consistent snapshots, resume tokens, reconnects with backoff), handing each snapshot
+to the caller as a delta; the official sync client's ``Watch`` rebuilds its whole result set per
+snapshot on a thread of its own, which a backlog in an inbox made the sidecar's main cost.
 
 **Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BeginTransaction,
 BatchGetDocuments of the fence documents inside it, compare, then Commit with the transaction id
@@ -37,10 +35,10 @@ transaction, no extra read).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,24 +47,23 @@ from google.api_core import exceptions as core_exceptions
 from google.api_core import retry_async
 from google.auth import exceptions as auth_exceptions
 from google.cloud import firestore
-from google.cloud.firestore_v1.base_document import DocumentSnapshot
-from google.cloud.firestore_v1.base_query import FieldFilter
-from google.cloud.firestore_v1.document import DocumentReference
 from google.cloud.firestore_v1.types import (
     BatchGetDocumentsRequest,
     BatchWriteRequest,
     BeginTransactionRequest,
     CommitRequest,
     Document,
+    ListenRequest,
     RollbackRequest,
     RunQueryRequest,
     StructuredQuery,
+    Target,
     TransactionOptions,
     Value,
     Write,
 )
-from google.cloud.firestore_v1.watch import ChangeType, Watch
 
+from sidecar.backoff import backoff_seconds
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
 from sidecar.store.document_store import DocumentStore, wall_clock_ms
@@ -175,6 +172,21 @@ def _get_value(value: Any) -> Any:
 
 
 _OPERATORS = {"EQUAL": "EQUAL", "GREATER_THAN_OR_EQUAL": "GREATER_THAN_OR_EQUAL"}
+
+
+def _add_filters(query: Any, filters: list[docs.Filter]) -> None:
+    """``filters`` (all must hold) as the raw StructuredQuery's ``where``."""
+    query_type = type(query)
+    if len(filters) > 1:
+        composite = query.where.composite_filter
+        composite.op = query_type.CompositeFilter.Operator.Value("AND")
+        targets = [composite.filters.add().field_filter for _ in filters]
+    else:
+        targets = [query.where.field_filter for _ in filters]
+    for condition, wanted in zip(targets, filters, strict=True):
+        condition.field.field_path = wanted.field
+        condition.op = query_type.FieldFilter.Operator.Value(_OPERATORS[wanted.op])
+        _set_value(condition.value, wanted.value)
 
 
 class FirestoreDocuments:
@@ -380,17 +392,7 @@ class FirestoreDocuments:
         query_type = StructuredQuery.pb()
         query = query_type()
         query.from_.add(collection_id=collection)
-        filters = docs.filters_of(where)
-        if len(filters) > 1:
-            composite = query.where.composite_filter
-            composite.op = query_type.CompositeFilter.Operator.Value("AND")
-            targets = [composite.filters.add().field_filter for _ in filters]
-        else:
-            targets = [query.where.field_filter for _ in filters]
-        for condition, wanted in zip(targets, filters, strict=True):
-            condition.field.field_path = wanted.field
-            condition.op = query_type.FieldFilter.Operator.Value(_OPERATORS[wanted.op])
-            _set_value(condition.value, wanted.value)
+        _add_filters(query, docs.filters_of(where))
         for path in ([order_by] if order_by else []) + ["__name__"]:
             query.order_by.add(direction=query_type.Direction.Value("ASCENDING")).field.field_path = path
         if after is not None:
@@ -427,9 +429,8 @@ class FirestoreDocuments:
         if api is not None:
             await api.transport.close()
 
-    # ---- listen (the sync client's watch) -------------------------------------------------------
+    # ---- listen (the Listen RPC, deltas only) -----------------------------------------------------
 
-    _watch_client: firestore.Client | None = None
     _listens: set[_Listening] | None = None
 
     def listen(
@@ -440,33 +441,26 @@ class FirestoreDocuments:
         on_change: Callable[[docs.Change], None],
         on_error: Callable[[StoreError], None],
     ) -> docs.Listening:
-        if self._watch_client is None:
-            # Created once, lazily: most sidecars never listen. Same project and database;
-            # FIRESTORE_EMULATOR_HOST is honoured by the client itself.
-            database = self._database.rpartition("/")[2]
-            self._watch_client = firestore.Client(project=self.client.project, database=database)
+        if self._listens is None:
             self._listens = set()
-        assert self._listens is not None
-        query: Any = self._watch_client.collection(f"{parent}/{collection}" if parent else collection)
-        for condition in where:
-            query = query.where(filter=FieldFilter(condition.field, _WATCH_OPERATORS[condition.op], condition.value))
-        if not where:
-            # A whole collection: the watch takes a Query, not a CollectionReference. ``_query()`` is
-            # the collection's own plain query (what its public methods start from); an explicit
-            # ``order_by(__name__)`` would change the target the watch resumes.
-            query = query._query()
-        listening = _Listening(asyncio.get_running_loop(), on_change, on_error, self._listens)
-        listening.start(query)
+        query = StructuredQuery.pb()()
+        query.from_.add(collection_id=collection)
+        _add_filters(query, list(where))
+        target = Target.pb()(target_id=_TARGET_ID)
+        target.query.parent = self._name(parent) if parent else self._documents.rstrip("/")
+        target.query.structured_query.CopyFrom(query)
+        listening = _Listening(self, target, on_change, on_error, self._listens)
+        listening.start()
         return listening
+
+    def _listen_stream(self, requests: AsyncIterator[Any]) -> Awaitable[AsyncIterable[Any]]:
+        return self.client._firestore_api.listen(  # type: ignore[no-any-return]
+            requests=requests, metadata=self.client._rpc_metadata
+        )
 
     async def _close_listens(self) -> None:
         for listening in list(self._listens or ()):
             await listening.close()
-        if self._watch_client is not None:
-            api = self._watch_client._firestore_api_internal
-            if api is not None:
-                api.transport.close()
-            self._watch_client = None
 
 
 class FirestoreStore(DocumentStore):
@@ -497,122 +491,188 @@ class FirestoreStore(DocumentStore):
 
 
 _LOGGER = logging.getLogger(__name__)
-_WATCH_OPERATORS = {"EQUAL": "==", "GREATER_THAN_OR_EQUAL": ">="}
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-_MICROSECOND = datetime.timedelta(microseconds=1)
+
+_TARGET_ID = 1
+"""One target per Listen stream: each ``listen`` call is its own stream."""
+
+_LISTEN_RETRY_INITIAL_SECONDS = 0.1
+_LISTEN_RETRY_MAXIMUM_SECONDS = 10.0
+_LISTEN_PERMANENT = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+"""Listen failures that a reconnect does not cure: reported through ``on_error``."""
 
 
-def _micros(moment: datetime.datetime) -> int:
-    """Microseconds since the epoch, exactly (a float timestamp would round)."""
-    return (moment - _EPOCH) // _MICROSECOND
-
-
-def _from_client(value: Any) -> Any:
-    """A value the client decoded, as ``_get_value`` decodes it (the types ``get_all`` returns)."""
-    if isinstance(value, datetime.datetime):
-        # DatetimeWithNanoseconds -> a plain datetime, as Timestamp.ToDatetime gives.
-        return datetime.datetime(
-            value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond,
-            tzinfo=datetime.UTC,
-        )
-    if isinstance(value, list):
-        return [_from_client(item) for item in value]
-    if isinstance(value, dict):
-        return {name: _from_client(item) for name, item in value.items()}
-    if isinstance(value, DocumentReference):
-        return value._document_path
-    return value
-
-
-def _upsert(snapshot: Any) -> tuple[str, docs.Fields, int]:
-    fields = {name: _from_client(value) for name, value in (snapshot.to_dict() or {}).items()}
-    return snapshot.id, fields, _micros(snapshot.update_time)
-
-
-class _Watch(Watch):
-    """The official watch, also telling its ``_Listening`` when it gives up for good.
-
-    The client only logs a final failure: ``_on_rpc_done`` closes the watch in a thread of its own
-    by raising the error there (an unhandled-exception traceback). Here the error goes to
-    ``on_error`` instead and the watch is closed quietly. Transient failures never get here: the
-    client recovers from them itself, resuming from its last resume token.
-    """
-
-    def _on_rpc_done(self, future: Any) -> None:
-        owner = getattr(self._snapshot_callback, "__self__", None)
-        if not isinstance(owner, _Listening) or future is None:
-            super()._on_rpc_done(future)  # type: ignore[no-untyped-call]  # the client's watch is untyped
-            return
-        owner.failed(future)
-        threading.Thread(name="firestore-watch-close", target=self.close, daemon=True).start()
+def _micros_of(timestamp: Any) -> int:
+    return int(timestamp.seconds) * 1_000_000 + int(timestamp.nanos) // 1000
 
 
 class _Listening:
-    """One ``FirestoreDocuments.listen``: the watch, and the hop from its thread onto the loop."""
+    """One ``FirestoreDocuments.listen``: a Listen stream kept open (resumed after failures), turned
+    into ``docs.Change`` deltas on the caller's event loop.
+
+    The official client's ``Watch`` (sync client) rebuilds and re-sorts its whole result set on every
+    snapshot, on a thread of its own; an inbox holding a backlog of N pending documents then costs
+    O(N log N) Python work per change, with the GIL taken from the event loop. Here a change costs
+    O(1): the protocol is the one ``watch.py`` follows (and our emulator serves), processed as deltas.
+
+    - Changes (DocumentChange, DocumentDelete, DocumentRemove) accumulate until a TargetChange
+      NO_CHANGE with no target ids and a read time marks a consistent snapshot, once the target is
+      CURRENT; then one ``Change`` goes out. RESET forgets what was sent: the server resends the set.
+    - The resume token of the last CURRENT/NO_CHANGE is kept; a stream that fails with a transient
+      status is reopened with it (capped backoff with jitter), so only changes since are resent.
+      A permanent status (``_LISTEN_PERMANENT``) or a REMOVE with a cause ends it through ``on_error``.
+    - ``initial`` is True for the first snapshot of a stream opened without a resume token (the full
+      result set), False for every later one, resumed streams included.
+    """
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
+        owner: FirestoreDocuments,
+        target: Any,
         on_change: Callable[[docs.Change], None],
         on_error: Callable[[StoreError], None],
         registry: set[_Listening],
     ) -> None:
-        self._loop = loop
+        self._owner = owner
+        self._target = target
         self._on_change = on_change
         self._on_error = on_error
         self._registry = registry
-        self._watch: Watch | None = None
-        self._pushed = False
-        self._closed = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._resume_token = b""
+        self._in_result: set[str] = set()
+        self.closed = False
 
-    def start(self, query: Any) -> None:
+    def start(self) -> None:
         self._registry.add(self)
-        self._watch = _Watch.for_query(query, self.snapshot, DocumentSnapshot)  # type: ignore[no-untyped-call]
-
-    def snapshot(self, documents: list[Any], changes: list[Any], read_time: datetime.datetime) -> None:
-        """The watch's callback, on its consumer thread: decode here, deliver on the loop."""
-        if self._closed.is_set():
-            return
-        if not self._pushed:
-            change = docs.Change([_upsert(d) for d in documents], [], _micros(read_time), True)
-            self._pushed = True
-        else:
-            upserts = [_upsert(c.document) for c in changes if c.type != ChangeType.REMOVED]
-            removals = [c.document.id for c in changes if c.type == ChangeType.REMOVED]
-            change = docs.Change(upserts, removals, _micros(read_time), False)
-        self._hop(self._deliver, change)
-
-    def failed(self, error: Any) -> None:
-        """The watch gave up (a non-retryable status): tell ``on_error`` on the loop."""
-        if isinstance(error, grpc.RpcError):
-            error = core_exceptions.from_grpc_error(error)  # type: ignore[no-untyped-call]
-        if isinstance(error, BaseException):
-            translated = _translate(error, "listen")
-        else:
-            translated = docs.Unavailable(f"listen: the watch ended: {error!r}")
-        self._hop(self._fail, translated)
-
-    def _hop(self, callback: Callable[[Any], None], argument: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, argument)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            _LOGGER.debug("listen: dropped a snapshot after the event loop closed")
-
-    def _deliver(self, change: docs.Change) -> None:
-        if not self._closed.is_set():
-            self._on_change(change)
-
-    def _fail(self, error: StoreError) -> None:
-        if not self._closed.is_set():
-            self._on_error(error)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="firestore-listen")
 
     async def close(self) -> None:
-        """Unsubscribe and wait for the watch's threads to end; idempotent."""
-        if self._closed.is_set():
+        if self.closed:
             return
-        self._closed.set()
+        self.closed = True
         self._registry.discard(self)
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            # Joins the consumer thread (up to a second): off the loop.
-            await asyncio.to_thread(watch.close)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self) -> None:
+        attempt = 0
+        while not self.closed:
+            try:
+                if await self._one_stream():
+                    attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except (*_RETRYABLE, *_TERMINAL) as exc:
+                code = exc.grpc_status_code if isinstance(exc, core_exceptions.GoogleAPICallError) else None
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    code = exc.code()
+                if code in _LISTEN_PERMANENT or isinstance(exc, auth_exceptions.GoogleAuthError):
+                    self._fail(_translate(exc, "listen"))
+                    return
+                _LOGGER.info("listen stream ended (%s); resuming", exc)
+            except _ListenRemoved as exc:
+                self._fail(exc.error)
+                return
+            await asyncio.sleep(
+                backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS)
+            )
+            attempt += 1
+
+    def _fail(self, error: StoreError) -> None:
+        if not self.closed:
+            self.closed = True
+            self._registry.discard(self)
+            self._on_error(error)
+
+    async def _one_stream(self) -> bool:
+        """One Listen stream until it ends; True if it delivered at least one snapshot."""
+        target = type(self._target)()
+        target.CopyFrom(self._target)
+        resumed = bool(self._resume_token)
+        if resumed:
+            target.resume_token = self._resume_token
+        request = ListenRequest.pb()(database=self._owner._database, add_target=target)
+        stop = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield ListenRequest.wrap(request)
+            await stop.wait()  # keep the stream open: Listen ends when the client half-closes
+
+        delivered = False
+        initial = not resumed
+        current = False
+        upserts: dict[str, tuple[docs.Fields, int]] = {}
+        removals: set[str] = set()
+        try:
+            stream = await self._owner._listen_stream(requests())
+            async for response in stream:
+                raw = response._pb
+                kind = raw.WhichOneof("response_type")
+                if kind == "document_change":
+                    change = raw.document_change
+                    doc_id = change.document.name.rpartition("/")[2]
+                    if _TARGET_ID in change.target_ids:
+                        fields = {name: _get_value(value) for name, value in change.document.fields.items()}
+                        upserts[doc_id] = (fields, _micros_of(change.document.update_time))
+                        removals.discard(doc_id)
+                    elif _TARGET_ID in change.removed_target_ids:
+                        upserts.pop(doc_id, None)
+                        removals.add(doc_id)
+                elif kind in ("document_delete", "document_remove"):
+                    doc_id = getattr(raw, kind).document.rpartition("/")[2]
+                    upserts.pop(doc_id, None)
+                    removals.add(doc_id)
+                elif kind == "target_change":
+                    change = raw.target_change
+                    change_type = change.target_change_type
+                    if change_type == change.TargetChangeType.REMOVE:
+                        raise _ListenRemoved(change.cause.code, change.cause.message)
+                    if change_type == change.TargetChangeType.RESET:
+                        upserts.clear()
+                        removals = set(self._in_result)
+                        continue
+                    if change_type == change.TargetChangeType.CURRENT:
+                        current = True
+                    if change.resume_token and (change_type != change.TargetChangeType.NO_CHANGE or current):
+                        self._resume_token = bytes(change.resume_token)
+                    global_snapshot = change_type == change.TargetChangeType.NO_CHANGE and not change.target_ids
+                    if global_snapshot and current and change.HasField("read_time"):
+                        removals -= set(upserts)
+                        gone = [doc_id for doc_id in removals if doc_id in self._in_result]
+                        if upserts or gone or initial:
+                            self._in_result.difference_update(gone)
+                            self._in_result.update(upserts)
+                            batch = docs.Change(
+                                [(doc_id, f, t) for doc_id, (f, t) in upserts.items()],
+                                gone,
+                                _micros_of(change.read_time),
+                                initial,
+                            )
+                            if not self.closed:
+                                self._on_change(batch)
+                        delivered = True
+                        initial = False
+                        upserts, removals = {}, set()
+        finally:
+            stop.set()
+        return delivered
+
+
+class _ListenRemoved(Exception):
+    """The server removed the target (a TargetChange REMOVE): the cause becomes ``on_error``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.error: StoreError = docs.Misconfigured(f"listen: target removed by the server ({code}): {message}")

@@ -179,16 +179,17 @@ async def test_reads_are_billed_per_change(store: Any, request: pytest.FixtureRe
         await listening.close()
 
 
-async def test_firestore_watch_threads_end_on_close(emulator: Any) -> None:
+async def test_firestore_listen_runs_on_the_loop_and_ends_its_stream_on_close(emulator: Any) -> None:
     documents = FirestoreDocuments(f"listen-{uuid.uuid4().hex[:12]}")
     seen = Changes()
+    threads_before = set(threading.enumerate())
     listening = documents.listen(_PARENT, "messages", _PENDING_3, seen.on_change, seen.on_error)
     await seen.until(lambda c: len(c.changes) >= 1, "the initial snapshot")
-    consumers = [t for t in threading.enumerate() if t.name == "Thread-ConsumeBidirectionalStream"]
-    assert consumers
+    assert seen.threads == {threading.get_ident()}  # called on the loop's thread
+    assert emulator.emulator.listen_streams
     await documents.close()  # closes the listen too
     await listening.close()
-    assert not any(t.is_alive() for t in consumers)
+    assert not [t for t in set(threading.enumerate()) - threads_before if t.name.startswith("Thread-Consume")]
     # The cancellation reaches the server on its own time: poll, with a deadline.
     deadline = time.monotonic() + _WAIT_SECONDS
     while emulator.emulator.listen_streams:
@@ -249,3 +250,27 @@ async def test_a_whole_collection_without_filters(store: Any) -> None:
         assert not seen.errors
     finally:
         await listening.close()
+
+
+async def test_firestore_listen_resumes_after_a_transient_failure_with_only_what_changed(emulator: Any) -> None:
+    documents = FirestoreDocuments(f"listen-{uuid.uuid4().hex[:12]}")
+    await documents.commit([docs.replace(f"{_MESSAGES}/a", _message(3))])
+    seen = Changes()
+    listening = documents.listen(_PARENT, "messages", _PENDING_3, seen.on_change, seen.on_error)
+    try:
+        await seen.until(lambda c: "a" in c.state, "the initial snapshot")
+        broken = await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(
+                emulator.injector.break_streams("firestore", grpc.StatusCode.UNAVAILABLE), emulator.loop
+            )
+        )
+        assert broken >= 1
+        await documents.commit([docs.replace(f"{_MESSAGES}/b", _message(3))])
+        await seen.until(lambda c: "b" in c.state, "a change after the resume")
+        assert not seen.errors
+        assert [c.initial for c in seen.changes] == [True] + [False] * (len(seen.changes) - 1)
+        # Resumed from its token: "a" is not sent again as a new result.
+        assert sum(1 for c in seen.changes for doc_id, _, _ in c.upserts if doc_id == "a") == 1
+    finally:
+        await listening.close()
+        await documents.close()
