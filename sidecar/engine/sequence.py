@@ -146,8 +146,9 @@ class SequencePolicy:
         entry = index[seq]
         following = seq + 1
         run_end = key.run_end
-        # Entries still acking after a nack's rewind sit inside the run: hand out around them.
-        while following < run_end and index[following].state != HELD:
+        # Entries still acking after a nack's rewind sit inside the run, and so may late ones (their
+        # sequence was skipped before the rewind): hand out around them.
+        while following < run_end and not _in_order_held(index[following]):
             following += 1
         key.next_out = following
         popped: Entry = entry
@@ -267,7 +268,7 @@ class SequencePolicy:
         # Step over sequences finished before a restart: the next to hand out is missing or held.
         following = lowest
         index = key.index
-        while following < held and following in index and index[following].state != HELD:
+        while following < held and following in index and not _in_order_held(index[following]):
             following += 1
         key.next_out = key.run_end = following
         key.n_ready = len(key.late)
@@ -290,11 +291,18 @@ def _extend_run(key: KeyState) -> None:
         entry = index.get(end)
         if entry is None:
             break
-        if entry.state == HELD:
-            ready += 1
+        if _in_order_held(entry):
+            ready += 1  # a late entry (skipped, then arrived) is walked over: the late queue counts it
         end += 1
     key.run_end = end
     key.n_ready += ready
+
+
+def _in_order_held(entry: Entry) -> bool:
+    """Held and waiting for its turn in the key's order. A late entry sits in the index at a sequence
+    a gap skip passed over; a nack's rewind can bring ``next_out`` back below it, and the run then
+    walks over it like a finished one: it is counted and handed out from the late queue only."""
+    return entry.state == HELD and not entry.late
 
 
 def _take_from_skipped(ranges: list[list[int]], seq: int) -> bool:
