@@ -203,8 +203,9 @@ class SequencePolicy:
         entry = index[seq]
         following = seq + 1
         run_end = key.run_end
-        # Entries still acking after a nack's rewind sit inside the run: hand out around them.
-        while following < run_end and (index[following].state != HELD or index[following].resumed):
+        # Entries still acking after a nack's rewind sit inside the run, and so may late ones (their
+        # sequence was skipped before the rewind) and resumed replays: hand out around them.
+        while following < run_end and not _in_order_held(index[following]):
             following += 1
         key.next_out = following
         popped: Entry = entry
@@ -327,7 +328,7 @@ class SequencePolicy:
         # Step over sequences finished before a restart: the next to hand out is missing or held.
         following = lowest
         index = key.index
-        while following < held and following in index and index[following].state != HELD:
+        while following < held and following in index and not _in_order_held(index[following]):
             following += 1
         key.next_out = key.run_end = following
         key.n_ready = len(key.late)
@@ -350,11 +351,19 @@ def _extend_run(key: KeyState) -> None:
         entry = index.get(end)
         if entry is None:
             break
-        if entry.state == HELD and not entry.resumed:  # a resumed replay waits in the late queue
-            ready += 1
+        if _in_order_held(entry):
+            ready += 1  # late entries and resumed replays are walked over: the late queue counts them
         end += 1
     key.run_end = end
     key.n_ready += ready
+
+
+def _in_order_held(entry: Entry) -> bool:
+    """Held and waiting for its turn in the key's order. A late entry sits in the index at a sequence
+    a gap skip passed over; a nack's rewind can bring ``next_out`` back below it, and the run then
+    walks over it like a finished one: it is counted and handed out from the late queue only. A
+    resumed replay waits in the late queue likewise."""
+    return entry.state == HELD and not entry.late and not entry.resumed
 
 
 def _take_from_skipped(ranges: list[list[int]], seq: int) -> bool:

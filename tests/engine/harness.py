@@ -303,7 +303,9 @@ class Harness:
     def _apply_tick(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, DeadLetter):
-                if action.reason in ("max_delivery_attempts", "late", "app_dead_letter", "replay_behind"):
+                # below_cursor: a late message pending at a crash, replayed below the restored cursor.
+                reasons = ("max_delivery_attempts", "late", "app_dead_letter", "replay_behind", "below_cursor")
+                if action.reason in reasons:
                     self.dead_lettered.add(identity(action.message))
                 self.dead_letters.append(action)
         # An expiry fails the expired delivery and gives back the later ones of its key: count a

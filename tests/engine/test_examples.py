@@ -113,6 +113,44 @@ def test_skipped_sequence_arriving_later_is_late(on_late: str) -> None:
         assert actions == [] and delivery.late and delivery.message.sequence == 1
 
 
+def test_a_rewind_below_a_late_message_hands_out_each_message_once() -> None:
+    # 1 and 2 in flight, 3 skipped, 4 ready; 3 then arrives (late) and a nack of 1 rewinds the key
+    # below it. The in-order run walks over 3 (a skipped sequence): 3 is handed out once, from the
+    # late queue, and the key's ready count matches what it holds (it was one too many: IndexError).
+    engine = sequence_engine(max_in_flight_per_key=3, gap_timeout_ms=0, on_gap_timeout="skip", on_late="deliver")
+    for seq in (1, 2, 4):
+        engine.on_stored(seq_message("k", seq), 0)
+    first, _second = engine.take("c", 2, 0)
+    engine.tick(0)  # the gap at 3 times out
+    assert engine.on_stored(seq_message("k", 3), 0) == []  # late: waits in the late queue
+    engine.nack("c", first.delivery_id, 0, retry_after_ms=0)
+    handed = []
+    for _ in range(4):
+        deliveries = engine.take("c", 10, 0)
+        handed += [(d.message.sequence, d.late, d.skipped) for d in deliveries]
+        engine.ack_durable([engine.ack("c", d.delivery_id, 0).delivery_id for d in deliveries], 0)
+    assert handed == [(3, True, ()), (1, False, ()), (2, False, ()), (4, False, (SkippedRange(3, 3),))]
+    status, _keys = engine.status(0)
+    assert (status.buffered, status.ready, status.in_flight) == (0, 0, 0)
+
+
+def test_a_late_message_pending_at_a_restart_is_dead_lettered_below_the_cursor() -> None:
+    # Skipped ranges are not in a snapshot: after a restart a pending late message lies below the
+    # restored cursor, where the engine cannot tell it from a copy of an acked one (docs/store.md,
+    # recovery rule 4). It is dead-lettered, never delivered (G3) nor dropped (G1).
+    config = EngineConfig(mode="sequence", gap_timeout_ms=0, on_gap_timeout="skip", on_late="deliver")
+    engine = Engine(config)
+    engine.on_stored(seq_message("k", 2), 0)
+    engine.tick(0)
+    assert ack_all(engine) == [("k", 2)]
+    assert engine.on_stored(seq_message("k", 1), 1) == []  # late, held for delivery
+    restored = Engine.restore(config, engine.export(), 2)
+    assert restored.tick(2) == [DeadLetter(seq_message("k", 1), "below_cursor", 0)]
+    assert taken(restored, now_ms=2) == []
+    assert restored.dead_letter_done(seq_message("k", 1), 3) == []
+    assert restored.status(3)[0].buffered == 0
+
+
 def test_first_sequence_any_starts_a_new_key_at_its_first_seen_sequence() -> None:
     engine = sequence_engine(first_sequence_any=True, on_late="deliver")
     engine.on_stored(seq_message("old", 41), 0)
