@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sidecar.classify import MAX_TIMESTAMP_MS, Malformed, classify, fingerprint
@@ -276,9 +276,11 @@ def test_valid_sequences_round_trip(sequence: int, key: str, zeros: int) -> None
     ),
     offset_minutes=st.integers(min_value=-23 * 60 - 59, max_value=23 * 60 + 59),
 )
+@example(moment=datetime.datetime(6326, 1, 1, 0, 0, 0, 999985), offset_minutes=0)
 def test_valid_rfc3339_timestamps_round_trip(moment: datetime.datetime, offset_minutes: int) -> None:
     utc = moment.replace(tzinfo=datetime.UTC)
-    expected_ms = int(utc.timestamp()) * 1000 + utc.microsecond // 1000
+    # Exact integer arithmetic: a float timestamp rounds .999985 s up to the next second far in the future.
+    expected_ms = (utc - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)) // datetime.timedelta(milliseconds=1)
     zone = datetime.timezone(datetime.timedelta(minutes=offset_minutes))
     text = utc.astimezone(zone).isoformat(timespec="microseconds")
     assert ok(run(WATERMARK_ATTR, {"k": "a", "ts": text})).timestamp_ms == expected_ms
