@@ -14,6 +14,7 @@ price of a scan; the sidecar only listens with equality filters.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from sidecar.emulators.firestore.query import CompiledQuery, execute, in_scope, 
 _CURRENT = pb.TARGET_CHANGE.Value("CURRENT")
 
 
-class Target:
+class Target(ABC):
     """Common state: the id on the stream, the sent result set and the names touched since."""
 
     def __init__(self, target_id: int, once: bool) -> None:
@@ -41,22 +42,27 @@ class Target:
     def tracks_names(self) -> bool:
         return True
 
+    @abstractmethod
     def admits(self, record: Record) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def candidates_after(self, store: DocumentStore, since_us: int) -> Iterator[str]:
         """Names that may have been in the result at some moment since ``since_us``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def current(self, store: DocumentStore) -> list[Record]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def collection_paths(self) -> list[str] | None:
         """Collections whose documents can matter (the hub's index), or None: check ``concerns``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def concerns(self, name: str) -> bool:
-        raise NotImplementedError
+        ...
 
     # ---- commits ------------------------------------------------------------------------------
 
