@@ -80,11 +80,7 @@ class SidecarCollector(Collector):
             "nacked": "App nacks and ack-deadline expiries.",
             "late": "Messages that arrived behind their key's cursor.",
         }
-        for name, doc in counters.items():
-            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
-            for snap in snapshots:
-                family.add_metric([snap.subscription], getattr(snap, name))
-            yield family
+        yield from _counter_families(counters, snapshots)
         dead = CounterMetricFamily(
             f"{PREFIX}_dead_lettered", "Messages published to the dead-letter topic.", labels=["subscription", "reason"]
         )
@@ -130,11 +126,16 @@ class SidecarCollector(Collector):
             "shards_adopted": "Shards this pod took over and loaded (a handover is a recovery).",
             "shards_dropped": "Shards this pod stopped delivering (lost, handed over, or fenced by Firestore).",
         }
-        for name, doc in lease_counters.items():
-            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
-            for snap in sharded:
-                family.add_metric([snap.subscription], getattr(snap, name))
-            yield family
+        yield from _counter_families(lease_counters, sharded)
+
+
+def _counter_families(docs: dict[str, str], snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:
+    """One counter family per ``name -> doc``, a sample per subscription from the attribute ``name``."""
+    for name, doc in docs.items():
+        family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+        for snap in snapshots:
+            family.add_metric([snap.subscription], getattr(snap, name))
+        yield family
 
 
 @dataclass

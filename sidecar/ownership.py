@@ -32,6 +32,7 @@ from sidecar.backoff import backoff_seconds
 from sidecar.engine.types import Message
 from sidecar.runtime import SubscriptionRuntime
 from sidecar.store.api import StoreError
+from sidecar.store.documents import Listening
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -41,10 +42,6 @@ ahead; the Listen, restarted or late, then hands over its whole first snapshot i
 
 _LISTEN_RETRY_INITIAL_SECONDS = 0.2
 _LISTEN_RETRY_MAXIMUM_SECONDS = 10.0
-
-
-class Listening(Protocol):
-    async def close(self) -> None: ...
 
 
 class InboxSource(Protocol):

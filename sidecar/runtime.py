@@ -732,9 +732,8 @@ class SubscriptionRuntime:
         if check is None:
             return
         for entry in self._engines:
-            if check(entry.shard) != entry.epoch and self.drop_shard(entry.shard, entry.epoch):
-                if self.on_shard_lost is not None:
-                    self.on_shard_lost(entry.shard, entry.epoch)
+            if check(entry.shard) != entry.epoch:
+                self._lose(entry)
 
     def _current(self, entry: ShardEngine) -> bool:
         """Whether ``entry`` still delivers its shard (not dropped or replaced since)."""
@@ -744,8 +743,13 @@ class SubscriptionRuntime:
         """The store refused a write: this pod's lease on those shards has moved on."""
         for shard in sorted(exc.shards):
             entry = self._engines.get(shard)
-            if entry is not None and self.drop_shard(shard) and self.on_shard_lost is not None:
-                self.on_shard_lost(shard, entry.epoch)
+            if entry is not None:
+                self._lose(entry)
+
+    def _lose(self, entry: ShardEngine) -> None:
+        """Drop a shard this pod learnt it no longer owns, and tell the lease manager."""
+        if self.drop_shard(entry.shard, entry.epoch) and self.on_shard_lost is not None:
+            self.on_shard_lost(entry.shard, entry.epoch)
 
     def _after_change(self) -> None:
         """Wake streams when messages are ready and the timer when an earlier timer appeared."""

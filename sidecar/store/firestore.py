@@ -107,12 +107,8 @@ _FENCE_ATTEMPTS = 5
 
 
 def _fence_backoff_seconds(attempt: int) -> float:
-    """Before a fenced commit's next try: capped exponential with jitter (api_core's generator)."""
-    sleeps = retry_async.exponential_sleep_generator(initial=0.05, maximum=1.0, multiplier=2.0)
-    delay = 0.0
-    for _ in range(attempt + 1):
-        delay = next(sleeps)
-    return delay
+    """Before a fenced commit's next try: capped exponential with jitter, 50 ms to 1 s."""
+    return backoff_seconds(attempt, 0.05, 1.0)
 
 
 def _translate(exc: BaseException, what: str) -> StoreError:

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sidecar.backoff import backoff_seconds
 from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.engine.types import Message
 from sidecar.store import documents as docs
@@ -110,7 +111,7 @@ class Reader:
             except StoreUnavailable:
                 if attempt + 1 == _PAGE_ATTEMPTS:
                     raise
-                await asyncio.sleep(0.1 * 2**attempt)
+                await asyncio.sleep(backoff_seconds(attempt, 0.1, 1.0))
         raise AssertionError("unreachable")
 
     async def read_payloads(self, sub_path: str, messages: Sequence[Message]) -> list[Message]:
