@@ -5,6 +5,7 @@
     python -m bench --scenario seq-100keys --scenario recovery
     python -m bench --scenario smoke     # tiny: baseline + seq-100keys (the smoke test's run)
     python -m bench --quick --scenario scale-out   # 1 vs 3 pods, failover, hand-over (only when named)
+    python -m bench --quick --scenario cost --compare bench/results/cost-before.json   # Firestore cost
 
 Starts the emulators and one sidecar per scenario as real processes, prints one table and writes
 ``bench/results/<scenario>.json`` (with core count and package versions) for each scenario. Ratios
@@ -28,10 +29,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench.cost_report import compare_table, load_runs
 from bench.harness import BenchError, Emulators, PubSub
 from bench.scenarios import METRIC_DELAY_SECONDS, METRIC_PERIOD_SECONDS, Result, Runner, Sizes, resolve
+from bench.tables import render_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FIRESTORE_INDEXES = Path(__file__).resolve().parent.parent / "firestore.indexes.json"
+"""The index exemptions and TTL policies the repository ships for the sidecar's collections."""
 
 _PACKAGES = (
     "pubsub-sidecar",
@@ -67,14 +72,7 @@ def format_table(results: list[Result]) -> str:
             value = getattr(result, attr)
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = []
-    for index, row in enumerate(rows):
-        cells = [cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells))
-        if index == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 def machine_info() -> dict[str, Any]:
@@ -108,12 +106,16 @@ def write_json(results_dir: Path, result: Result, profile: str, sizes: Sizes, st
     return path
 
 
-async def run_bench(names: list[str] | None, quick: bool, results_dir: Path) -> int:
+async def run_bench(names: list[str] | None, quick: bool, results_dir: Path, compare: Path | None = None) -> int:
     sizes, profile, scenarios = resolve(names, quick)
+    # Read before the run: a wrong path should not cost the run's minutes.
+    before = load_runs(compare) if compare is not None else None
     started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     print(f"bench: profile {profile}, scenarios {', '.join(s.name for s in scenarios)}", flush=True)
-    emulators = Emulators(METRIC_PERIOD_SECONDS, METRIC_DELAY_SECONDS)
+    emulators = Emulators(METRIC_PERIOD_SECONDS, METRIC_DELAY_SECONDS, firestore_indexes=FIRESTORE_INDEXES)
     await asyncio.to_thread(emulators.start)
+    for note in emulators.notes:
+        print(f"bench: {note}", flush=True)
     results: list[Result] = []
     failures = 0
     pubsub = PubSub(emulators.env)
@@ -131,6 +133,7 @@ async def run_bench(names: list[str] | None, quick: bool, results_dir: Path) -> 
                         traceback.print_exc()
                     continue
                 results.append(result)
+                failures += bool(result.extra.get("failed_runs"))
     finally:
         pubsub.close()
         emulators.stop()
@@ -145,6 +148,12 @@ async def run_bench(names: list[str] | None, quick: bool, results_dir: Path) -> 
         f"\ncores {os.cpu_count()}; latency phases at {sizes.latency_rate_per_second:g} msg/s; watermark "
         f"metric period {METRIC_PERIOD_SECONDS:g} s + delay {METRIC_DELAY_SECONDS:g} s; JSON in {results_dir}"
     )
+    cost = next((r for r in results if r.scenario == "cost"), None)
+    if before is not None:
+        if cost is None:
+            print(f"\nbench: --compare {compare}: the cost scenario did not run; nothing to compare", flush=True)
+        else:
+            print(f"\ncost, before ({compare}) -> now:\n{compare_table(cost.extra['runs'], before)}")
     return 1 if failures else 0
 
 
@@ -152,7 +161,8 @@ def run_command(args: argparse.Namespace) -> int:
     """Entry point for ``pubsub-sidecar bench`` (``sidecar.cli``) and ``python -m bench``."""
     results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
     try:
-        return asyncio.run(run_bench(args.scenario, bool(args.quick), results_dir))
+        compare = getattr(args, "compare", None)
+        return asyncio.run(run_bench(args.scenario, bool(args.quick), results_dir, Path(compare) if compare else None))
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -163,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small sizes, under 3 minutes")
     parser.add_argument("--scenario", action="append", help="run only these scenarios (repeatable)")
     parser.add_argument("--results-dir", help=f"where the JSON goes (default {RESULTS_DIR})")
+    parser.add_argument(
+        "--compare",
+        metavar="PATH",
+        help="print the cost scenario's rows next to an earlier cost.json's (bench/results/cost-before.json)",
+    )
     return parser
 
 

@@ -138,8 +138,15 @@ class Emulators:
 
     metric_period_seconds: float
     metric_delay_seconds: float
+    firestore_indexes: Path | None = None
+    """A ``firestore.indexes.json`` (index exemptions, TTL policies) for ``--firestore-indexes``, so the
+    Firestore emulator refuses and expires what production would; skipped, with a note, when the file
+    or the option is missing."""
     env: dict[str, str] = field(default_factory=dict)
     admin_url: str = ""
+    notes: list[str] = field(default_factory=list)
+    """What the run could not set up as asked (printed by the caller, kept in the JSON)."""
+    firestore_indexes_used: str | None = None
     _proc: subprocess.Popen[str] | None = None
     _out: _OutputPump | None = None
 
@@ -149,6 +156,7 @@ class Emulators:
             "--pubsub-port", "0", "--firestore-port", "0", "--monitoring-port", "0", "--admin-port", "0",
             "--metric-period", str(self.metric_period_seconds), "--metric-delay", str(self.metric_delay_seconds),
         ]  # fmt: skip
+        cmd += self._firestore_index_options()
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env({})
         )
@@ -176,17 +184,70 @@ class Emulators:
     def stop(self) -> None:
         _stop_process(self._proc, 15)
 
-    def _admin(self, method: str, path: str) -> Any:
-        request = urllib.request.Request(self.admin_url + path, data=b"" if method == "POST" else None, method=method)
-        with urllib.request.urlopen(request, timeout=10) as response:
+    def _firestore_index_options(self) -> list[str]:
+        if self.firestore_indexes is None:
+            return []
+        if not self.firestore_indexes.is_file():
+            self.notes.append(
+                f"no {self.firestore_indexes.name} at {self.firestore_indexes}: the Firestore "
+                "emulator runs without index exemptions or TTL policies"
+            )
+            return []
+        usage = subprocess.run(
+            [sys.executable, "-m", "sidecar", "emulators", "--help"],
+            capture_output=True, text=True, env=_child_env({}), timeout=START_TIMEOUT_SECONDS,
+        )  # fmt: skip
+        if "--firestore-indexes" not in usage.stdout:
+            self.notes.append(
+                "`pubsub-sidecar emulators` has no --firestore-indexes: the Firestore emulator "
+                "runs without index exemptions or TTL policies"
+            )
+            return []
+        self.firestore_indexes_used = str(self.firestore_indexes)
+        return ["--firestore-indexes", str(self.firestore_indexes)]
+
+    def _admin(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        request = urllib.request.Request(self.admin_url + path, data=data, method=method)
+        if body is not None:
+            request.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(request, timeout=60) as response:
             payload = response.read()
         return json.loads(payload) if payload else None
 
+    def firestore_snapshot(self) -> dict[str, Any]:
+        """``GET /firestore/counters`` as the emulator answers it (counters, and hotspots if it has them)."""
+        snapshot: dict[str, Any] = self._admin("GET", "/firestore/counters")
+        return snapshot
+
     def firestore_counters(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self._admin("GET", "/firestore/counters").items()}
+        """The numeric counters only (reads, writes, deletes, and ttl_deletes where the emulator counts
+        them; deletes include ttl_deletes): sum them with ``billed_operations``, not ``sum()``."""
+        return numeric_counters(self.firestore_snapshot())
 
     def reset_firestore_counters(self) -> None:
         self._admin("POST", "/firestore/counters/reset")
+
+    def firestore_ttl_sweep(self, as_of_ms: int) -> int | None:
+        """``POST /firestore/ttl/sweep``: delete every document whose TTL field is before ``as_of_ms``,
+        billed as deletes; returns how many, or None when the emulator has no such route (404)."""
+        try:
+            answer = self._admin("POST", "/firestore/ttl/sweep", {"as_of_ms": as_of_ms})
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise BenchError(f"POST /firestore/ttl/sweep answered {exc.code}: {exc.read().decode()[:300]}") from None
+        return int(answer["deleted"])
+
+
+def numeric_counters(snapshot: Mapping[str, Any]) -> dict[str, int]:
+    """The counters of a ``GET /firestore/counters`` answer, without the nested ``hotspots``."""
+    return {k: int(v) for k, v in snapshot.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def billed_operations(counters: Mapping[str, int]) -> int:
+    """Reads + writes + deletes: what Firestore bills. ``ttl_deletes`` is a part of ``deletes``."""
+    return counters["reads"] + counters["writes"] + counters["deletes"]
 
 
 _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")

@@ -34,7 +34,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bench.harness import BenchError, Outgoing, Sidecar, cpu_seconds, wait_until, write_sidecar_config
+from bench.harness import (
+    BenchError,
+    Outgoing,
+    Sidecar,
+    billed_operations,
+    cpu_seconds,
+    wait_until,
+    write_sidecar_config,
+)
 from bench.scenarios import BenchApp, Result, Scenario, build_stream, phase_timeout, subscription_entry
 from pubsub_sidecar_client.status import get_status
 from sidecar.shards import shard_of
@@ -186,7 +194,7 @@ async def _idle_upkeep(fleet: Fleet) -> dict[str, float]:
     minutes = (time.monotonic() - started) / 60.0
     pods = len(fleet.live)
     per_pod_minute = {name: value / pods / minutes for name, value in counters.items()}
-    per_pod_minute["operations"] = sum(counters.values()) / pods / minutes
+    per_pod_minute["operations"] = billed_operations(counters) / pods / minutes
     return per_pod_minute
 
 
@@ -209,7 +217,7 @@ async def _throughput(runner: Runner, scenario: Scenario, pods: int) -> tuple[di
     counters = runner.emulators.firestore_counters()
     window_seconds = time.monotonic() - window_started
     cpu_used = fleet.cpu_seconds() - cpu_before
-    operations = sum(counters.values())
+    operations = billed_operations(counters)
     lease_estimate = upkeep["operations"] * pods * window_seconds / 60.0
     figures = {
         "pods": pods,

@@ -73,12 +73,16 @@ class Sizes:
     """held-gap: 1 KB messages that pile up behind one key's gap."""
     held_budget_mib: float = 0.05
     """held-gap: ``flow_control.max_held_bytes`` in MiB."""
+    cost_messages: int = 200
+    """cost: messages per 100-key stream."""
+    cost_many_keys_messages: int = 2_000
+    """cost: messages of the 10,000-key stream (more than one per key, or nothing could be shuffled)."""
 
 
 SIZES: dict[str, Sizes] = {
     "smoke": Sizes(200, 100, 200, 40, 100.0, 200, 20, 300, 0.1),
-    "quick": Sizes(3_000, 1_000, 3_000, 400, 200.0, 10_000, 1_000, 20_000, 5),
-    "full": Sizes(50_000, 10_000, 100_000, 3_000, 200.0, 100_000, 10_000, 200_000, 100),
+    "quick": Sizes(3_000, 1_000, 3_000, 400, 200.0, 10_000, 1_000, 20_000, 5, 3_000, 20_000),
+    "full": Sizes(50_000, 10_000, 100_000, 3_000, 200.0, 100_000, 10_000, 200_000, 100, 20_000, 50_000),
 }
 
 
@@ -86,7 +90,7 @@ SIZES: dict[str, Sizes] = {
 class Scenario:
     name: str
     kind: str
-    """"baseline", "sidecar", "recovery", "held" or "scale-out"."""
+    """"baseline", "sidecar", "recovery", "held", "scale-out" or "cost"."""
     mode: str = "sequence"
     keys: int = 100
     description: str = ""
@@ -105,6 +109,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("watermark-100keys", "sidecar", "watermark", 100, "watermark mode, 100 keys"),
         Scenario("recovery", "recovery", "sequence", 0, "start to /readyz with N pending"),
         Scenario("held-gap", "held", "sequence", 1, "one key held behind a gap, then filled"),
+        Scenario("cost", "cost", "sequence", 100, "billed Firestore operations per message, TTL deletes, hotspots"),
         Scenario("scale-out", "scale-out", "sequence", 100, "1 vs 3 pods, failover, handover, lease upkeep", True),
     )
 }
@@ -134,20 +139,29 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_stream(count: int, keys: int, phase: str, key_prefix: str, seed: int) -> tuple[list[Outgoing], int]:
-    """``count`` distinct messages over ``keys`` keys, shuffled and duplicated as the module says.
-    Returns the publish order and the number of distinct messages."""
+def build_stream(
+    count: int,
+    keys: int,
+    phase: str,
+    key_prefix: str,
+    seed: int,
+    shuffled: float = SHUFFLED_FRACTION,
+    duplicated: float = DUPLICATED_FRACTION,
+) -> tuple[list[Outgoing], int]:
+    """``count`` distinct messages over ``keys`` keys, shuffled and duplicated as the module says
+    (``shuffled``, ``duplicated``: the fractions; 0 and 0 give in-order traffic). Returns the
+    publish order and the number of distinct messages."""
     rng = random.Random(seed)
     keys = max(1, min(keys, count))
     stream = [Outgoing(f"{key_prefix}{i % keys}", i // keys + 1, phase) for i in range(count)]
     for index in range(count):
         # The next message of the same key is `keys` places later in round-robin order.
-        if rng.random() < SHUFFLED_FRACTION and index + keys < count:
+        if rng.random() < shuffled and index + keys < count:
             stream[index], stream[index + keys] = stream[index + keys], stream[index]
     with_retries: list[Outgoing] = []
     for message in stream:
         with_retries.append(message)
-        if rng.random() < DUPLICATED_FRACTION:
+        if rng.random() < duplicated:
             with_retries.append(message)
     return with_retries, count
 
@@ -250,7 +264,7 @@ class BenchApp:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def _wait_acks_durable(sidecar: Sidecar, count: int) -> None:
+async def wait_acks_durable(sidecar: Sidecar, count: int) -> None:
     await asyncio.to_thread(
         wait_until,
         lambda: sidecar.metric("pubsub_sidecar_acked_total") >= count,
@@ -292,6 +306,11 @@ class Runner:
             return await self._sidecar(scenario)
         if scenario.kind == "held":
             return await self._held(scenario)
+        if scenario.kind == "cost":
+            # Imported here, as scale-out: bench.cost builds on this module.
+            from bench.cost import run_cost
+
+            return await run_cost(self, scenario)
         if scenario.kind == "scale-out":
             # Imported here: bench.scale_out builds on this module (BenchApp, build_stream, ...).
             from bench.scale_out import run_scale_out
@@ -352,12 +371,12 @@ class Runner:
             elapsed = app.last_at - started
             # The latency phase starts on a settled sidecar, so that it measures the pipeline and
             # not the tail of the throughput phase's ack commits.
-            await _wait_acks_durable(sidecar, distinct)
+            await wait_acks_durable(sidecar, distinct)
             rate = self.sizes.latency_rate_per_second
             await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
             await app.wait_for(total_distinct, phase_timeout(len(latency_stream)))
             # CPU up to the point where every ack is durable: that work belongs to these messages.
-            await _wait_acks_durable(sidecar, total_distinct)
+            await wait_acks_durable(sidecar, total_distinct)
             cpu_used = cpu_seconds(sidecar.pid) - cpu_before
             rss = peak_rss_mb(sidecar.pid)
             duplicates_dropped = sidecar.metric("pubsub_sidecar_duplicates_total")

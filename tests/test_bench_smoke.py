@@ -13,11 +13,16 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.__main__ import format_table
-from bench.harness import BenchError, percentile
+from bench.cost import RUNS
+from bench.cost import goals as cost_goals
+from bench.cost import stream_for as cost_stream
+from bench.cost_report import LIST_PRICES, compare_table, load_runs, price_per_million
+from bench.harness import BenchError, billed_operations, numeric_counters, percentile
 from bench.scenarios import Result, build_stream, resolve
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -120,3 +125,106 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 0.50) == 50.0
     assert percentile(values, 0.99) == 99.0
     assert percentile([], 0.5) is None
+
+
+# ---- the cost scenario's pieces (its run needs minutes: `python -m bench --quick --scenario cost`) ----
+
+
+def test_cost_runs_by_default_but_not_in_the_smoke_preset_and_needs_no_baseline() -> None:
+    _, _, default = resolve(None, quick=True)
+    assert "cost" in [s.name for s in default]
+    _, _, smoke = resolve(["smoke"], quick=False)
+    assert "cost" not in [s.name for s in smoke]
+    _, _, alone = resolve(["cost"], quick=True)
+    assert [s.name for s in alone] == ["cost"]
+
+
+def test_cost_streams_in_order_and_on_10000_keys_shuffled_like_100_keys() -> None:
+    in_order, distinct, _ = cost_stream(RUNS[0], 3_000)
+    assert RUNS[0].name == "seq-100keys-inorder" and distinct == 3_000 and len(in_order) == 3_000
+    last: dict[str, int] = {}
+    for message in in_order:
+        assert message.sequence == last.get(message.key, 0) + 1
+        last[message.key] = message.sequence
+    many_keys = next(run for run in RUNS if run.keys == 10_000)
+    stream, distinct, probability = cost_stream(many_keys, 20_000)
+    assert distinct == 20_000 and probability > 0.1
+    seen: dict[str, int] = {}
+    out_of_order = 0
+    for message in stream:
+        if message.sequence < seen.get(message.key, 0):
+            out_of_order += 1
+        seen[message.key] = max(seen.get(message.key, 0), message.sequence)
+    # A tenth of the positions start a swap, as on 100 keys (where 10,000 give 500-1,500).
+    assert 1_500 <= out_of_order <= 2_500
+
+
+def test_price_per_million_messages_at_list_prices() -> None:
+    # Today's store: a create, a tombstone update, a TTL delete per message (the issue's $1.9).
+    today = {"reads": 0.0, "writes": 2.0, "deletes": 1.0}
+    assert price_per_million(today, LIST_PRICES.regional) == pytest.approx(1.90)
+    assert price_per_million(today, LIST_PRICES.multi_region) == pytest.approx(3.80)
+    assert price_per_million({"reads": 1.0, "writes": 0.0, "deletes": 0.0}, LIST_PRICES.regional) == pytest.approx(0.3)
+
+
+def test_counters_keep_numbers_only_and_billed_does_not_count_ttl_deletes_twice() -> None:
+    snapshot = {
+        "reads": 10,
+        "writes": 20,
+        "deletes": 5,
+        "ttl_deletes": 4,
+        "hotspots": {"messages.stored_ms": {"appends": 3, "peak_per_s": 2.0}},
+    }
+    counters = numeric_counters(snapshot)
+    assert counters == {"reads": 10, "writes": 20, "deletes": 5, "ttl_deletes": 4}
+    assert billed_operations(counters) == 35
+
+
+def _cost_run(name: str, billed: float, ttl: float | None = 1.0, peak: float | None = 100.0) -> dict[str, Any]:
+    hotspots = None if peak is None else [{"field": "messages.stored_ms", "appends": 10, "peak_per_s": peak}]
+    return {
+        "run": name,
+        "messages": 3_000,
+        "messages_per_second": 500.0,
+        "per_message": {"reads": 0.0, "writes": billed, "deletes": 0.0, "ttl_deletes": ttl, "billed": billed},
+        "price_per_million": {"regional": billed * 0.9, "multi_region": billed * 1.8},
+        "hotspots": hotspots,
+    }
+
+
+def test_cost_goals_met_missed_and_not_available() -> None:
+    runs = [
+        _cost_run("seq-100keys-inorder", 0.1),
+        _cost_run("seq-100keys", 2.3),
+        _cost_run("seq-10000keys", 2.2),
+        _cost_run("watermark-100keys", 3.2, peak=500.0),
+        {"run": "dedup-100keys", "error": "timed out"},
+    ]
+    status = {g["goal"].split(":")[0]: g["status"] for g in cost_goals(runs)}
+    assert status == {
+        "in-order, seq-100keys-inorder": "met",
+        "shuffled, seq-100keys": "missed",
+        "shuffled, seq-10000keys": "met",
+        "watermark-100keys": "met",
+        "dedup-100keys": "n/a",
+        "seq-10000keys - seq-100keys <= +0.2": "met",
+        "every hotspot peak < 500 appends/s": "missed",  # 500/s itself is over the limit
+    }
+    without_counters = cost_goals([_cost_run("seq-100keys", 2.0, ttl=None, peak=None)])
+    shuffled = next(g for g in without_counters if g["goal"].startswith("shuffled, seq-100keys"))
+    assert shuffled["status"] == "met" and shuffled["figure"] == "2.00 (TTL deletes not counted)"
+    assert next(g for g in without_counters if "hotspot" in g["goal"])["status"] == "n/a"
+
+
+def test_compare_puts_each_run_next_to_the_same_run_before() -> None:
+    before = [_cost_run("seq-100keys", 2.59, ttl=None, peak=None), _cost_run("dedup-100keys", 2.15)]
+    now = [_cost_run("seq-100keys-inorder", 0.05), _cost_run("seq-100keys", 1.8, peak=120.0)]
+    header, _, *rows = compare_table(now, before).splitlines()
+    assert header.split()[:2] == ["run", "msg/s"]
+    cells = {row.split()[0]: row for row in rows}
+    assert list(cells) == ["seq-100keys-inorder", "seq-100keys", "dedup-100keys"]
+    assert "2.59 -> 1.80" in cells["seq-100keys"] and "n/a -> 120" in cells["seq-100keys"]
+    assert "- -> 0.05" in cells["seq-100keys-inorder"]
+    assert "2.15 -> -" in cells["dedup-100keys"]
+    with pytest.raises(BenchError, match=r"not a cost\.json"):
+        load_runs(Path(__file__))
