@@ -13,7 +13,8 @@ sharding) and the no-op app, in turn on the run's one emulators process:
   round-robin stream has nothing to swap) and the swap probability raised so that a tenth of the
   stream's positions start a swap (``CostRun.rescaled_shuffle``).
 
-Per run: the counters are reset once the sidecar is ready; the app connects and a ``IDLE_SECONDS``
+Per run: a TTL sweep first clears what earlier scenarios left (the sweep acts on every root); the
+counters are reset once the sidecar is ready; the app connects and a ``IDLE_SECONDS``
 idle window gives the upkeep rate (leases and cursors with no traffic); the stream is published as
 fast as the official publisher goes; the bench waits until every distinct message reached the app
 and every app ack is durable (``pubsub_sidecar_acked_total``), stops the app and SIGTERMs the
@@ -102,6 +103,10 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         subscription=entry,
     )
     emulators = runner.emulators
+    # The sweep acts on the whole emulator: sweep what earlier scenarios and runs left (their TTL
+    # documents), before this run's sidecar exists, so that the closing sweep deletes, and the
+    # counters bill, this run's documents only.
+    swept_before = emulators.firestore_ttl_sweep(_sweep_as_of_ms())
     sidecar = Sidecar(config, emulators.env)
     sidecar.start()
     app: BenchApp | None = None
@@ -127,7 +132,7 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
             await app.stop()
         exit_code = await asyncio.to_thread(sidecar.stop)
     notes: list[str] = []
-    as_of_ms = time.time_ns() // 1_000_000 + DEDUP_TTL_MS + SWEEP_MARGIN_MS
+    as_of_ms = _sweep_as_of_ms()
     swept = emulators.firestore_ttl_sweep(as_of_ms)
     if swept is None:
         notes.append("the emulator has no TTL sweep (POST /firestore/ttl/sweep: 404): TTL deletes not counted")
@@ -163,6 +168,7 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         "upkeep_estimate_per_message": idle_rate * window_seconds / distinct,
         "hotspots": _hotspots(snapshot),
         "ttl_sweep": None if swept is None else {"as_of_ms": as_of_ms, "deleted": swept},
+        "ttl_swept_before_run": swept_before,
         "dedup_ttl": DEDUP_TTL,
         "cpu_seconds_per_10k": cpu_used / distinct * 10_000,
         "duplicates_dropped": duplicates_dropped,
@@ -172,6 +178,10 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         "first_sidecar_error": error_logs[0] if error_logs else None,
         "notes": notes,
     }
+
+
+def _sweep_as_of_ms() -> int:
+    return time.time_ns() // 1_000_000 + DEDUP_TTL_MS + SWEEP_MARGIN_MS
 
 
 def _hotspots(snapshot: dict[str, Any]) -> list[dict[str, Any]] | None:
