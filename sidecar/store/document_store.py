@@ -67,7 +67,6 @@ _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
 
-
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 

@@ -38,7 +38,7 @@ async def test_ack_tombstones_and_coalesces_cursor_writes(make_store, emulator):
         await store.commit_acks("orders", [ack(message, message.sequence + 1)], 10_000 + i * 10)
     spent = {name: emulator.counters()[name] - before[name] for name in before}
     # 50 tombstones + the key's cursor once + the checkpoint once; nothing read.
-    assert spent == {"reads": 0, "writes": 52, "deletes": 0}
+    assert spent == {"reads": 0, "writes": 52, "deletes": 0, "ttl_deletes": 0}
     client = client_of(store)
     (cursor,) = (await documents(client, f"{_ROOT}/keys")).values()
     assert cursor["next_seq"] == 2 and cursor["written_ms"] == 10_000
