@@ -123,13 +123,14 @@ def report(extra: Mapping[str, Any]) -> str:
     lines = [f"bench: cost: {note}" for note in extra["notes"]]
     lines += ["", cost_table(runs), ""]
     lines.append(
-        "billed = reads + writes + deletes per distinct delivered message, TTL deletes (ttl) included in "
-        "del, lease upkeep included (upkeep: its estimate from the idle rate); $/M: US dollars per million "
-        f"messages at list prices of {LIST_PRICES.as_of} (regional, multi-region)"
+        "billed = reads + writes + deletes per distinct delivered message, counted from the first publish "
+        "to after the TTL sweep (the idle window not included), TTL deletes (ttl) included in del, the "
+        "upkeep during the stream included (upkeep: its estimate, the idle rate times that window); $/M: "
+        f"US dollars per million messages at list prices of {LIST_PRICES.as_of} (regional, multi-region)"
     )
     lines.append("hotspots, peak appends/s (appends in the window), largest first:")
     lines += hotspot_lines(runs)
-    lines.append("idle upkeep (app connected, before publishing):")
+    lines.append("idle upkeep (app connected, before publishing; not in the figures per message):")
     for run in runs:
         if not run.get("error"):
             idle = run["idle"]

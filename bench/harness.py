@@ -142,6 +142,9 @@ class Emulators:
     """A ``firestore.indexes.json`` (index exemptions, TTL policies) for ``--firestore-indexes``, so the
     Firestore emulator refuses and expires what production would; skipped, with a note, when the file
     or the option is missing."""
+    firestore_ttl_sweep_seconds: float = 0.0
+    """``--firestore-ttl-sweep`` (with ``firestore_indexes``). 0 sweeps after every commit: a document
+    past its TTL goes at a commit, never on a timer at a random instant of a measured window."""
     env: dict[str, str] = field(default_factory=dict)
     admin_url: str = ""
     notes: list[str] = field(default_factory=list)
@@ -204,7 +207,10 @@ class Emulators:
             )
             return []
         self.firestore_indexes_used = str(self.firestore_indexes)
-        return ["--firestore-indexes", str(self.firestore_indexes)]
+        options = ["--firestore-indexes", str(self.firestore_indexes)]
+        if "--firestore-ttl-sweep" in usage.stdout:
+            options += ["--firestore-ttl-sweep", f"{self.firestore_ttl_sweep_seconds:g}"]
+        return options
 
     def _admin(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
