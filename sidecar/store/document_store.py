@@ -277,9 +277,12 @@ class DocumentStore:
                 checkpoints = await self._checkpoints(sub, wanted, now_ms)
                 since = recovery.since_ms(checkpoints.values())
                 cursor_docs = await reader.query_shards(sub.path, "keys", shards, count)
-                recent_docs = await reader.query_all(
-                    sub.path, "messages", docs.Filter("done_ms", "GREATER_THAN_OR_EQUAL", since), "done_ms", count
-                )
+                recent_docs = []
+                for shard in sorted(wanted):
+                    # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
+                    low, high = layout.done_at_range(shard, since)
+                    where = [docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low), docs.Filter(layout.DONE_AT, "LESS_THAN", high)]
+                    recent_docs += await reader.query_all(sub.path, "messages", where, layout.DONE_AT, count)
                 pending = await reader.load_pending(sub.path, max_payload_bytes, count, shards)
                 recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards)
             except (recovery.ModeMismatch, layout.CorruptDocument) as exc:

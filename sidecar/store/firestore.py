@@ -167,7 +167,7 @@ def _get_value(value: Any) -> Any:
     return getattr(value, kind)
 
 
-_OPERATORS = {"EQUAL": "EQUAL", "GREATER_THAN_OR_EQUAL": "GREATER_THAN_OR_EQUAL"}
+_OPERATORS = {"EQUAL": "EQUAL", "GREATER_THAN_OR_EQUAL": "GREATER_THAN_OR_EQUAL", "LESS_THAN": "LESS_THAN"}
 
 
 def _add_filters(query: Any, filters: list[docs.Filter]) -> None:
