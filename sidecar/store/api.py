@@ -140,9 +140,7 @@ class PersistResult:
 
 
 class Store(Protocol):
-    async def persist(
-        self, subscription: str, batch: Sequence[IncomingMessage], now_ms: int
-    ) -> list[PersistResult]:
+    async def persist(self, subscription: str, batch: Sequence[IncomingMessage], now_ms: int) -> list[PersistResult]:
         """Make each message durable unless it already is; one result per input, in order."""
         ...
 

@@ -67,7 +67,6 @@ _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
 
-
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -281,7 +280,10 @@ class DocumentStore:
                 for shard in sorted(wanted):
                     # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
                     low, high = layout.done_at_range(shard, since)
-                    where = [docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low), docs.Filter(layout.DONE_AT, "LESS_THAN", high)]
+                    where = [
+                        docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low),
+                        docs.Filter(layout.DONE_AT, "LESS_THAN", high),
+                    ]
                     recent_docs += await reader.query_all(sub.path, "messages", where, layout.DONE_AT, count)
                 pending = await reader.load_pending(sub.path, max_payload_bytes, count, shards)
                 recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards)

@@ -581,9 +581,7 @@ class _Listening:
             except _ListenRemoved as exc:
                 self._fail(exc.error)
                 return
-            await asyncio.sleep(
-                backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS)
-            )
+            await asyncio.sleep(backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS))
             attempt += 1
 
     def _fail(self, error: StoreError) -> None:

@@ -378,4 +378,3 @@ class _MemoryListening:
     async def close(self) -> None:
         self.closed = True
         self._owner._register_listen(self, False)
-

@@ -156,9 +156,7 @@ def recover(
     return Recovered(snapshot=snapshot, states=states, since_ms=since)
 
 
-def _tombstone(
-    doc_id: str, fields: dict[str, Any], mode: Mode
-) -> tuple[str, int, str | None, str, Any, Any, bool]:
+def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, int, str | None, str, Any, Any, bool]:
     """(doc id, done_ms, key, state, position, cursor, aside) of a finished message document."""
     what = f"message document {doc_id}"
     require_v2(what, fields)

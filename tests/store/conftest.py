@@ -23,8 +23,6 @@ from sidecar.store.firestore import FirestoreStore
 _START_TIMEOUT_SECONDS = 30.0
 
 
-
-
 @dataclass
 class Emulator:
     host: str

@@ -335,9 +335,11 @@ class Simulation:
         """No write that advances a key applies unless its writer holds the shard's lease as it believes."""
         for write in writes:
             fields = write.fields
-            if fields is None or not ("/keys/" in write.path or "/checkpoints/" in write.path or (
-                "/messages/" in write.path and fields.get("state") in layout.DONE_STATES
-            )):
+            if fields is None or not (
+                "/keys/" in write.path
+                or "/checkpoints/" in write.path
+                or ("/messages/" in write.path and fields.get("state") in layout.DONE_STATES)
+            ):
                 continue
             shard = fields["shard"]
             lease = self._leases()[shard]
@@ -593,9 +595,7 @@ class Simulation:
 
     def op_unblock(self, arg: int) -> None:
         """An operator skips the dead letter a blocked key stopped at: durable first, then the engine."""
-        blocked = sorted(
-            key for key in (f"k{i}" for i in range(self.config.keys)) if self._is_blocked(key)
-        )
+        blocked = sorted(key for key in (f"k{i}" for i in range(self.config.keys)) if self._is_blocked(key))
         if not blocked:
             return
         self._unblock(blocked[arg % len(blocked)])
@@ -876,9 +876,24 @@ class Simulation:
         for _ in range(rounds):
             for pod in range(self.config.pods):
                 self.active = pod
-                for op in ("ingest", "ingest", "ingest", "pubsub_ack", "listen", "take", "take", "app_ack",
-                           "app_ack", "app_ack", "commit_acks", "dead_letter", "dead_letter", "drops", "flush",
-                           "retry_unblocks"):
+                for op in (
+                    "ingest",
+                    "ingest",
+                    "ingest",
+                    "pubsub_ack",
+                    "listen",
+                    "take",
+                    "take",
+                    "app_ack",
+                    "app_ack",
+                    "app_ack",
+                    "commit_acks",
+                    "dead_letter",
+                    "dead_letter",
+                    "drops",
+                    "flush",
+                    "retry_unblocks",
+                ):
                     self.step(op, len(self.pubsub) + len(self.life.outstanding))
             self.step("tick", 2)
             self.step("tick", 3)

@@ -201,7 +201,11 @@ async def test_reading_back_a_payload_that_is_no_longer_pending_is_refused(make_
         ("keys", {"key": "a", "next_seq": 3, "v": 99}, "layout version 99 is newer"),
         ("keys", {"key": "a", "next_seq": 3, "shard": "0", "v": 2}, "shard='0' is not"),
         ("messages", {"key": "a", "seq": 1, "state": "pending", "shard": 0, "v": 2}, "message document bad"),
-        ("messages", {"state": "acked", "done_at": "0000/010000000000000", "shard": 0, "v": 2}, "not a tombstone of ours"),
+        (
+            "messages",
+            {"state": "acked", "done_at": "0000/010000000000000", "shard": 0, "v": 2},
+            "not a tombstone of ours",
+        ),
         # Layout v1 (before shards): refused, naming the document and what to do.
         ("keys", {"key": "a", "next_seq": 3, "v": 1}, "cursor document keys/bad is of layout v1"),
         ("messages", {"key": "a", "seq": 1, "state": "pending"}, "message document bad is of layout v1"),

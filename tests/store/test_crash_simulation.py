@@ -107,9 +107,7 @@ def test_b_acks_above_the_cursor_survive_a_restart() -> None:
 def test_c_a_late_dead_letter_never_blocks_its_key_after_a_restart() -> None:
     """A late message dead-lettered while its key's next message is in flight, then a crash: not blocked."""
     sim = Simulation(
-        SimConfig(
-            keys=1, per_key=3, gap_timeout_ms=1_000, on_gap_timeout="skip", unpublished=frozenset({("k0", 1)})
-        )
+        SimConfig(keys=1, per_key=3, gap_timeout_ms=1_000, on_gap_timeout="skip", unpublished=frozenset({("k0", 1)}))
     )
     sim.ingest_all()
     sim.step("tick", 2)  # the gap at 1 times out: 2 goes out with 1 skipped

@@ -233,7 +233,6 @@ async def test_memory_expiry_removes_from_the_result() -> None:
     await listening.close()
 
 
-
 async def test_a_whole_collection_without_filters(store: Any) -> None:
     # The lease documents are watched whole: every renewal, take or release is a change.
     leases = f"{_PARENT}/leases"
