@@ -40,6 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
@@ -233,11 +234,15 @@ class DocumentStore:
 
     # ---- load -----------------------------------------------------------------------------------
 
-    async def _checkpoints(self, sub: Subscription, shards: frozenset[int], now_ms: int) -> dict[int, int | None]:
-        """Check the subscription document (create it on first use); the checkpoints of ``shards``."""
+    async def _checkpoints(
+        self, sub: Subscription, shards: frozenset[int], now_ms: int
+    ) -> tuple[dict[int, int | None], list[tuple[str, dict[str, Any]]]]:
+        """Check the subscription document (create it on first use); the checkpoints of ``shards``
+        (``clean_ms`` per shard) and the cursors their overlays hold (key document id, fields)."""
         paths = {shard: layout.checkpoint_path(sub.path, shard) for shard in sorted(shards)}
         found = await self._documents.get_all([sub.path, *paths.values()])
         fields = found.get(sub.path)
+        overlays = [entry for path in paths.values() for entry in recovery.overlay_of(path, found.get(path))]
         if fields is None:
             created = {"name": sub.name, "mode": sub.config.mode, "created_ms": now_ms, "v": layout.LAYOUT_VERSION}
             try:
@@ -246,9 +251,9 @@ class DocumentStore:
                 return await self._checkpoints(sub, shards, now_ms)  # another process created it meanwhile
             # A new subscription: nothing of it exists, every shard is clean now.
             stored = {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}
-            return {shard: now_ms if clean is None else clean for shard, clean in stored.items()}
+            return {shard: now_ms if clean is None else clean for shard, clean in stored.items()}, overlays
         recovery.check_subscription(sub.name, sub.config.mode, sub.path, fields)
-        return {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}
+        return {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}, overlays
 
     async def load(
         self,
@@ -273,7 +278,7 @@ class DocumentStore:
             wanted = frozenset(range(sub.config.shards)) if shards is None else shards
             reader = self._reader
             try:
-                checkpoints = await self._checkpoints(sub, wanted, now_ms)
+                checkpoints, overlays = await self._checkpoints(sub, wanted, now_ms)
                 since = recovery.since_ms(checkpoints.values())
                 cursor_docs = await reader.query_shards(sub.path, "keys", shards, count)
                 recent_docs = []
@@ -286,7 +291,9 @@ class DocumentStore:
                     ]
                     recent_docs += await reader.query_all(sub.path, "messages", where, layout.DONE_AT, count)
                 pending = await reader.load_pending(sub.path, max_payload_bytes, count, shards)
-                recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards)
+                recovered = recovery.recover(
+                    rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards, overlays=overlays
+                )
             except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
                 raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
             sub.forget(wanted)

@@ -52,6 +52,10 @@ INBOX = "inbox"
 """Field of a pending message written by a pod that does not own its shard: the shard, for the
 owner's Listen (``inbox == X and state == pending``). A tombstone (a replace) drops it."""
 
+OVERLAY = "cursors"
+"""Field of a checkpoint document: a map from key document id to the key's cursor fields, for the
+keys whose latest cursor is kept there rather than in their own document (``CursorBook``)."""
+
 MAX_DOCUMENT_BYTES = 1_048_576
 """Firestore's per-document limit (storage size, field names included)."""
 
@@ -168,6 +172,8 @@ def value_size(value: Any) -> int:
         return len(value)
     if isinstance(value, list):
         return sum(value_size(item) for item in value)
+    if isinstance(value, dict):
+        return sum(len(name.encode()) + 1 + value_size(item) for name, item in value.items())
     raise TypeError(f"store_codec: no Firestore size for {type(value).__name__}")
 
 

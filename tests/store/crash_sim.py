@@ -953,12 +953,14 @@ class Simulation:
     def unblocked(self) -> set[Identity]:
         """Dead letters an operator passed: those this run saw confirmed, and those the cursor
         documents record (an unblock that applied just before a crash)."""
-        recorded = {
-            (fields["key"], seq)
+        records = [fields for path, fields in self.documents.docs.items() if "/keys/" in path]
+        records += [
+            entry
             for path, fields in self.documents.docs.items()
-            if "/keys/" in path
-            for seq in fields.get("unb_seq") or []
-        }
+            if "/checkpoints/" in path
+            for entry in (fields.get(layout.OVERLAY) or {}).values()
+        ]
+        recorded = {(fields["key"], seq) for fields in records for seq in fields.get("unb_seq") or []}
         return self.confirmed_unblocks | recorded
 
     def snapshot_of_messages(self) -> dict[str, dict[str, Any]]:
