@@ -351,6 +351,27 @@ class Engine:
         policy.add_flagged(key, entry)
         return None, entry
 
+    def fast_path(self, message: Message) -> bool:
+        """True when ``message`` may skip the store (sequence mode's in-order fast path): it is
+        exactly its key's next position to hand out, and its key holds nothing else (nothing
+        buffered, ready, in flight, late, dead-lettering, backing off or blocked). Pure query: the
+        caller then hands it to ``on_stored`` flagged ``volatile``. Everything else is stored first."""
+        if self._seq is None or message.replay_id or message.sequence is None or message.volatile is False:
+            return False
+        key = self._keys.get(message.key) or self._key(message.key)  # an idle key is rebuilt from its cursor
+        return (
+            key.cursor is not None
+            and message.sequence == key.next_out
+            and key.n_held == 0
+            and key.n_out == 0
+            and key.n_ready == 0
+            and not key.late
+            and not key.blocked
+            and not key.dead_lettering
+            and key.backoff_until is None
+            and not self._seq.replays
+        )
+
     def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
         """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within
         ``max_in_flight_per_key``, round-robin over ready keys, never a key another consumer has
@@ -442,8 +463,16 @@ class Engine:
         entry.state = ACKING
         del self._consumers[consumer][delivery_id]
         self._timers.mark_stale()
+        # The app acked: its slot is free at once (G2 asks only for the app's ack), so the key's next
+        # message need not wait for the ack to become durable (a coalesced cursor may take a second).
+        self._n_out -= 1
         key = entry.key
         cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
+        if key is not None:
+            key.n_out -= 1
+            if key.n_out == 0:
+                key.consumer = None
+            self._refresh(key, now_ms)
         return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed)
 
     def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
@@ -456,7 +485,7 @@ class Engine:
                 continue
             del deliveries[delivery_id]
             self._acked += 1
-            self._finish(entry, now_ms, occupied=True)
+            self._finish(entry, now_ms, occupied=False)  # its slot was freed by ``ack``
         return []
 
     def nack(

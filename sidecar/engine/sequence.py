@@ -153,7 +153,9 @@ class SequencePolicy:
             if held.n == 0:  # a restored placeholder: acked before the restart
                 return DropDuplicate(message, "duplicate of an acked message", finish_record=True), None
             if held.message.fingerprint == message.fingerprint:
-                return DropDuplicate(message, "duplicate of a message the engine holds"), None
+                # A held copy taken by the fast path has no record: this stored copy's is finished.
+                finish = held.message.volatile and not message.volatile
+                return DropDuplicate(message, "duplicate of a message the engine holds", finish_record=finish), None
             return DeadLetter(message, "conflict", 0), None
         if key.cursor is None:
             key.cursor = key.next_out = key.run_end = key.known_from = seq

@@ -14,7 +14,8 @@ Key invariants (checked by the property tests):
 - ``KeyState.out`` holds the in-order entries handed out and not yet retired, sorted by position;
   the key's cursor only moves over a prefix of it whose entries are all DONE, so a cursor never
   passes a message that is still in flight, acking or dead-lettering.
-- ``n_out`` counts entries in OUT, ACKING or DEAD of the key (late ones too): the in-flight slots.
+- ``n_out`` counts entries in OUT or DEAD of the key (late ones too): the in-flight slots. An ACKING
+  entry (the app acked, not yet durable) holds no slot: G2 waits for the app's ack only.
 - ``consumer`` is set exactly while ``n_out > 0``: the key's affinity to one stream.
 """
 

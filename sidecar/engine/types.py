@@ -53,6 +53,10 @@ class Message:
     """Set on an operator's replay of a dead letter (``pubsub-sidecar dead-letters replay``): the
     replay's own identity. It keeps its original's key, position and dedup id, but it is a record
     of its own: not a duplicate of its original, while two copies of one replay are duplicates."""
+    volatile: bool = False
+    """Not stored: taken by the in-order fast path (``Engine.fast_path``). Pub/Sub keeps it (its ack
+    is held) until its app ack is durable in the key's cursor; a crash before that loses nothing,
+    since Pub/Sub delivers it again. Its finishes write no tombstone except a dead letter's."""
 
 
 @dataclass(frozen=True, slots=True)

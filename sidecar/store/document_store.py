@@ -142,7 +142,10 @@ class DocumentStore:
     async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
         sub = self._sub(subscription)
         items = []
+        volatile = [ack for ack in acks if ack.message.volatile and not ack.aside]
         for ack in acks:
+            if ack.message.volatile and not ack.aside:
+                continue
             target = layout.doc_id_of(ack.message)
             if target is None:
                 raise StoreRejected(f"commit_acks: message {ack.message.dedup_id!r} was never stored (no ref)")
@@ -150,7 +153,42 @@ class DocumentStore:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, None, aside=True))
             else:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
-        await self._finish(sub, items, now_ms, "commit_acks")
+        lost: frozenset[int] = frozenset()
+        try:
+            await self._finish(sub, items, now_ms, "commit_acks")
+        except ShardLost as exc:
+            lost = exc.shards
+        if volatile:
+            lost |= await self._volatile_acks(sub, volatile, now_ms)
+        if lost:
+            raise ShardLost(sub.name, lost)
+
+    async def _volatile_acks(self, sub: Subscription, acks: list[AckIntent], now_ms: int) -> frozenset[int]:
+        """Acks of fast-path messages (no document): folded into their keys' cursors, durable with
+        their shards' next checkpoints (coalesced: at most one per shard per interval), which this
+        waits for. Returns the shards lost meanwhile (their acks are not durable)."""
+        async with sub.lock:
+            lost: set[int] = set()
+            if self._writer.fences is not None:
+                self._writer.acquire(sub, {sub.shard(ack.message.key) for ack in acks}, lost)
+            if lost:
+                sub.forget(lost)
+            mine = [ack for ack in acks if sub.shard(ack.message.key) not in lost]
+            proposed = sub.book.propose(mine, [], now_ms)
+            sub.book.accept(proposed, now_ms)
+            loop = asyncio.get_running_loop()
+            waits = []
+            for shard in sorted(sub.book.dirty_shards() & {sub.shard(ack.message.key) for ack in mine}):
+                waiter: asyncio.Future[None] = loop.create_future()
+                sub.waiters.setdefault(shard, []).append(waiter)
+                waits.append(waiter)
+        self._maybe_wake_flusher(sub)
+        for result in await asyncio.gather(*waits, return_exceptions=True):
+            if isinstance(result, ShardLost):
+                lost |= result.shards
+            elif isinstance(result, BaseException):
+                raise result
+        return frozenset(lost)
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
         if state not in layout.FINISH_STATES:
@@ -199,18 +237,27 @@ class DocumentStore:
         return position
 
     def _maybe_wake_flusher(self, sub: Subscription) -> None:
-        if not self._background_flush or not (sub.book.has_dirty() or sub.stale):
+        if not self._background_flush or not (sub.book.has_dirty() or sub.stale or any(sub.waiters.values())):
             return
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="store-cursor-flush")
         self._flush_wake.set()
 
     async def _flush_loop(self) -> None:
-        """Writes cursors left dirty (their key was written < interval ago) once they are due."""
+        """Writes the checkpoints (and cursors) left lagging, each as soon as it is due."""
+        failed = False
         while True:
             await self._flush_wake.wait()
             self._flush_wake.clear()
-            await asyncio.sleep(self._interval_ms / 1000)
+            # Acks waiting for a checkpoint: until the first is due (each shard's at most once per
+            # interval). Otherwise an interval: cursors of stored messages are already durable.
+            now_ms = self._clock_ms()
+            due = [self._writer.next_due_ms(sub, now_ms) for sub in self._subscriptions.values()]
+            first = min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms)
+            if failed:
+                first = max(first, now_ms + self._interval_ms)  # the store failed: not a tight loop
+            failed = False
+            await asyncio.sleep(max(0, first - now_ms) / 1000)
             for sub in self._subscriptions.values():
                 try:
                     await self.flush(sub.name)
@@ -219,6 +266,7 @@ class DocumentStore:
                     _LOGGER.warning("store: cursor flush of %s: %s; their cursor updates are dropped", sub.name, exc)
                 except StoreError as exc:
                     _LOGGER.warning("store: cursor flush of %s failed, will retry: %s", sub.name, exc)
+                    failed = True
                     self._flush_wake.set()
                     continue
                 self._maybe_wake_flusher(sub)

@@ -75,9 +75,12 @@ class Subscription:
     checkpoint_written_ms: dict[int, int] = field(default_factory=dict)
     stale: set[int] = field(default_factory=set)
     """Shards whose checkpoint lags behind their cursors (the flush writes it)."""
+    waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
+    """Per shard: acks of fast-path messages waiting for the shard's next checkpoint, which makes
+    them durable (``DocumentStore.commit_acks``). Resolved by that Commit; failed with ShardLost."""
 
     def shard(self, key: str) -> int:
-        return self.book.rules.shard(key)
+        return self.book.shard(key)
 
     def forget(self, shards: Iterable[int]) -> None:
         """The pod lost ``shards``: drop their cursor state and checkpoint bookkeeping."""
@@ -86,7 +89,20 @@ class Subscription:
         for shard in lost:
             self.checkpoint_ms.pop(shard, None)
             self.checkpoint_written_ms.pop(shard, None)
+            for waiter in self.waiters.pop(shard, []):
+                if not waiter.done():
+                    waiter.set_exception(ShardLost(self.name, [shard]))
         self.stale -= lost
+
+    def checkpointed(self, shard: int, clean_ms: int, now_ms: int) -> None:
+        """The shard's checkpoint was written: ``clean_ms`` holds; the acks waiting for it are durable
+        when it left nothing out."""
+        self.checkpoint_ms[shard], self.checkpoint_written_ms[shard] = clean_ms, now_ms
+        if clean_ms == now_ms:
+            self.stale.discard(shard)
+            for waiter in self.waiters.pop(shard, []):
+                if not waiter.done():
+                    waiter.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +128,7 @@ class ShardWriter:
         self, documents: docs.Documents, fences: FenceSource | None, interval_ms: int, per_commit: int
     ) -> None:
         self._documents = documents
-        self._fences = fences
+        self.fences = fences
         self._interval_ms = interval_ms
         self._per_commit = per_commit
 
@@ -151,7 +167,7 @@ class ShardWriter:
         shards lost (the key's, when its fence failed: nothing written)."""
         shard = sub.shard(state.key)
         lost: set[int] = set()
-        fences = self._acquire(sub, {shard}, lost)
+        fences = self.acquire(sub, {shard}, lost)
         if lost:
             sub.forget(lost)
             return lost
@@ -165,7 +181,7 @@ class ShardWriter:
         writes.append(_checkpoint_write(sub, shard, now_ms if left is None else left, kept))
         if await self._send(sub, writes, fences, lost):
             sub.book.accept(proposed, now_ms, documents=spill, overlays={shard: kept})
-            self._checkpointed(sub, shard, now_ms if left is None else left, now_ms)
+            sub.checkpointed(shard, now_ms if left is None else left, now_ms)
         return lost
 
     # ---- internals ------------------------------------------------------------------------------
@@ -180,7 +196,7 @@ class ShardWriter:
             items = [item for item in items if sub.shard(item.message.key) not in lost]
             if not shards:
                 return
-            fences = self._acquire(sub, shards, lost)
+            fences = self.acquire(sub, shards, lost)
             if lost & shards:
                 sub.forget(lost)
                 continue
@@ -220,7 +236,7 @@ class ShardWriter:
                 continue
             sub.book.accept(proposed, now_ms, documents=spilled, overlays=overlays)
             for shard, clean in cleans.items():
-                self._checkpointed(sub, shard, clean, now_ms)
+                sub.checkpointed(shard, clean, now_ms)
             return
 
     def _due_checkpoints(
@@ -238,20 +254,22 @@ class ShardWriter:
             sub.stale.add(shard)  # until the Commit that writes it succeeds
         return out
 
-    @staticmethod
-    def _checkpointed(sub: Subscription, shard: int, clean_ms: int, now_ms: int) -> None:
-        sub.checkpoint_ms[shard], sub.checkpoint_written_ms[shard] = clean_ms, now_ms
-        if clean_ms == now_ms:
-            sub.stale.discard(shard)
+    def next_due_ms(self, sub: Subscription, now_ms: int) -> int | None:
+        """When the first checkpoint that acks wait for is due (None: no ack waits for one)."""
+        lagging = {shard for shard, waiting in sub.waiters.items() if waiting}
+        if not lagging:
+            return None
+        written = sub.checkpoint_written_ms
+        return min(now_ms if shard not in written else written[shard] + self._interval_ms for shard in lagging)
 
-    def _acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
+    def acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
         """The fence of each of ``shards``; a shard the source says is lost goes to ``lost``."""
-        if self._fences is None:
+        if self.fences is None:
             return {}
         out: dict[int, docs.Fence] = {}
         for shard in sorted(shards):
             try:
-                fence = self._fences(sub.name, shard)
+                fence = self.fences(sub.name, shard)
             except ShardLost:
                 lost.add(shard)
                 continue
