@@ -197,7 +197,11 @@ class DocumentStore:
         items = []
         for message in messages:
             # A CONFLICT's copy has no ref: its document holds the other payload, which stays pending.
+            # A fast-path message has none either, but its finish is recorded where its document
+            # would be (a dead letter's record must outlive the restart that forgets the message).
             target = layout.doc_id_of(message)
+            if target is None and message.volatile:
+                target = (layout.message_doc_id(message.key, message.dedup_id, message.sequence, message.replay_id), 0)
             if target is None:
                 continue
             dead = state in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position_of(message) is not None
