@@ -66,7 +66,7 @@ from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
 
 from sidecar.backoff import backoff_seconds
 from sidecar.classify import Malformed, classify
-from sidecar.config import SubscriptionConfig
+from sidecar.config import SequenceOrdering, SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.runtime import SubscriptionRuntime
@@ -185,6 +185,7 @@ class Ingestor:
         pause_poll_seconds: float = _PAUSE_POLL_SECONDS,
         max_lease_duration_seconds: float = _MAX_LEASE_DURATION_SECONDS,
         clock: Callable[[], int] | None = None,
+        fast_path: bool | None = None,
     ) -> None:
         if max_batch_messages < 1:
             raise ValueError(f"max_batch_messages must be >= 1, got {max_batch_messages}")
@@ -238,6 +239,10 @@ class Ingestor:
         self._unsettled: dict[str, PubsubMessage] = {}
         """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
         self._nack_timers: dict[str, asyncio.TimerHandle] = {}
+        ordering = sub_config.ordering
+        configured = isinstance(ordering, SequenceOrdering) and ordering.fast_path
+        self._fast_path = configured if fast_path is None else fast_path and configured
+        """The in-order fast path (``runtime.take_fast``): sequence mode, ``ordering.fast_path``."""
         self._fast: dict[int, PubsubMessage] = {}
         """Fast-path messages (``runtime.take_fast``) by ``id`` of the engine's message: their Pub/Sub
         ack waits for ``runtime.on_volatile_settled``."""
@@ -529,7 +534,7 @@ class Ingestor:
 
     async def _persist_batch(self, batch: list[_Item]) -> None:
         self.counters.persist_batches += 1
-        if self._runtime.is_ready:
+        if self._fast_path and self._runtime.is_ready:
             batch = self._take_fast(batch)
             if not batch:
                 return

@@ -43,7 +43,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from sidecar.backoff import backoff_seconds
@@ -84,9 +84,6 @@ _RETRY_INITIAL_SECONDS = 0.05
 
 _RETRY_MAXIMUM_SECONDS = 5.0
 """Cap so that a recovered store is used again within seconds, while an outage costs one call per 5 s."""
-
-_ACK_BATCHES_IN_FLIGHT = 4
-"""Ack batches being made durable at once (a batch of fast-path acks waits for a checkpoint)."""
 
 _MAX_ACKS_PER_COMMIT = 1000
 """Bounds one commit_acks call (the store splits it into Firestore's 500-write commits)."""
@@ -153,6 +150,20 @@ class AckTicket:
 class _PendingAck:
     intents: list[AckIntent]
     future: asyncio.Future[list[str]]
+
+
+@dataclass(slots=True)
+class _AckBatch:
+    """Acks taken together: answered once each of its parts (stored, fast-path) is durable."""
+
+    pending: list[_PendingAck]
+    parts: int = 0
+    refused: set[str] = field(default_factory=set)
+    """Delivery ids whose shard was lost before their ack was durable: never confirmed."""
+
+    @property
+    def intents(self) -> list[AckIntent]:
+        return [intent for pending in self.pending for intent in pending.intents]
 
 
 @dataclass(slots=True)
@@ -830,21 +841,16 @@ class SubscriptionRuntime:
                 self._timer_due_ms = None
 
     async def _ack_commit_loop(self) -> None:
-        """Commits batches of acks, several at once: a batch of fast-path acks waits for its shards'
-        next checkpoint (up to a second), and must not hold up the batches behind it. The store
-        applies them in turn (``commit_acks`` takes the subscription's lock)."""
-        slots = asyncio.Semaphore(_ACK_BATCHES_IN_FLIGHT)
+        """Commits acks in batches (group commit). Acks of fast-path messages wait for their shards'
+        next checkpoint (up to an interval): they are made durable in a task of their own, so that
+        the batches behind them do not wait too."""
         running: set[asyncio.Task[None]] = set()
         failures: list[BaseException] = []
 
         def done(task: asyncio.Task[None]) -> None:
             running.discard(task)
-            slots.release()
             if not task.cancelled() and task.exception() is not None:
                 failures.append(task.exception())  # type: ignore[arg-type]
-            if not running and not self._acks_pending:
-                self._acks_idle.set()
-                self._progress.set()
             self._acks_wake.set()
 
         try:
@@ -854,13 +860,16 @@ class SubscriptionRuntime:
                 if failures:
                     raise failures[0]
                 while self._acks_pending:
-                    await slots.acquire()
-                    if not self._acks_pending:
-                        slots.release()
-                        break
-                    task = asyncio.create_task(self._commit_ack_batch(self._take_ack_batch()), name="ack-batch")
-                    running.add(task)
-                    task.add_done_callback(done)
+                    batch = _AckBatch(self._take_ack_batch())
+                    fast = [intent for intent in batch.intents if intent.message.volatile]
+                    stored = [intent for intent in batch.intents if not intent.message.volatile]
+                    batch.parts = bool(fast) + bool(stored)
+                    if fast:
+                        task = asyncio.create_task(self._commit_acks(batch, fast), name=f"fast-acks:{self.name}")
+                        running.add(task)
+                        task.add_done_callback(done)
+                    if stored:
+                        await self._commit_acks(batch, stored)
                 if not running and not self._acks_pending:
                     self._acks_idle.set()
                     self._progress.set()
@@ -868,8 +877,9 @@ class SubscriptionRuntime:
             for task in list(running):
                 task.cancel()
 
-    async def _commit_ack_batch(self, batch: list[_PendingAck]) -> None:
-        intents = [intent for pending in batch for intent in pending.intents]
+    async def _commit_acks(self, batch: _AckBatch, intents: list[AckIntent]) -> None:
+        """Make ``intents`` (part of ``batch``) durable, tell the engines, settle fast-path messages;
+        the batch's tickets are answered once all its parts are done."""
         lost: frozenset[int] = frozenset()
         try:
             await self._retry_store(self._store.commit_acks, intents)
@@ -880,7 +890,7 @@ class SubscriptionRuntime:
             self._shard_lost(exc)
         except BaseException as exc:
             error = SubscriptionUnavailable(f"acks of {self.name!r} could not be made durable: {exc!r}")
-            for pending in batch:
+            for pending in batch.pending:
                 if not pending.future.done():
                     pending.future.set_exception(error)
             raise
@@ -891,6 +901,7 @@ class SubscriptionRuntime:
         for intent in intents:
             if lost and self._engines.route(intent.message.key) in lost:
                 self.counters.acks_fenced += 1
+                batch.refused.add(intent.delivery_id)
                 continue
             entry = self._engines.for_delivery(intent.delivery_id)
             if entry is not None:
@@ -901,15 +912,13 @@ class SubscriptionRuntime:
             self._apply(entry, entry.engine.ack_durable(ids, now_ms))
         for entry, message in settled:
             self._settle(entry, message, True)  # its ack is durable: Pub/Sub may forget it
-        for pending in batch:
-            if not pending.future.done():
-                pending.future.set_result(
-                    [
-                        intent.delivery_id
-                        for intent in pending.intents
-                        if not (lost and self._engines.route(intent.message.key) in lost)
-                    ]
-                )
+        batch.parts -= 1
+        if batch.parts == 0:
+            for pending in batch.pending:
+                if not pending.future.done():
+                    pending.future.set_result(
+                        [intent.delivery_id for intent in pending.intents if intent.delivery_id not in batch.refused]
+                    )
         self._progress.set()
         self._after_change()
 

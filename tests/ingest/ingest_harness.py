@@ -67,7 +67,13 @@ class IngestHarness:
         self._with_dead_letter_topic = with_dead_letter_topic
         self._max_undelivered = max_undelivered_messages
         self._max_outstanding = max_outstanding_messages
-        self._ingestor_kwargs = {"backoff_initial_seconds": 0.05, "backoff_maximum_seconds": 0.5, **ingestor_kwargs}
+        # The persist path by default; the in-order fast path is tested where asked for.
+        self._ingestor_kwargs = {
+            "backoff_initial_seconds": 0.05,
+            "backoff_maximum_seconds": 0.5,
+            "fast_path": False,
+            **ingestor_kwargs,
+        }
         self.store = MemoryStore()
         self.topic = ""
         self.subscription = ""
