@@ -195,9 +195,7 @@ def parse_timestamp_ms(attribute: str, value: str | None) -> int | Malformed:
             if int(off_minutes) > 59:
                 raise ValueError("offset minutes out of range")
             zone = datetime.timezone(-offset if sign == "-" else offset)
-        moment = datetime.datetime(
-            int(year), int(month), int(day), int(hour), int(minute), int(second), tzinfo=zone
-        )
+        moment = datetime.datetime(int(year), int(month), int(day), int(hour), int(minute), int(second), tzinfo=zone)
     except (ValueError, OverflowError):
         return Malformed(f"timestamp attribute {attribute!r} is not a valid date and time: {_show(value)}")
     whole_seconds = (moment - _EPOCH) // datetime.timedelta(seconds=1)

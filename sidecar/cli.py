@@ -26,6 +26,16 @@ _COMMANDS: dict[str, str] = {
 }
 
 
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pubsub-sidecar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -49,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--admin-port", type=int, default=8087, help="HTTP admin: fault injection, counters")
     emu.add_argument("--metric-period", type=float, default=60.0, help="metric sampling period, seconds")
     emu.add_argument("--metric-delay", type=float, default=120.0, help="metric visibility delay, seconds")
+    emu.add_argument(
+        "--firestore-indexes",
+        metavar="PATH",
+        help="firestore.indexes.json (Firebase CLI format): exemptions, composites, TTL fields (default: all indexed)",
+    )
+    emu.add_argument(
+        "--firestore-ttl-sweep",
+        type=_non_negative_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="Firestore TTL sweep interval (default 60; 0 = after every commit)",
+    )
 
     demo = sub.add_parser("demo", help="emulators + sidecar + publisher + app, with a summary")
     demo.add_argument("--orders", type=int, default=20)

@@ -325,6 +325,7 @@ class FlowControlConfig(_Model):
         if value % 1000:
             raise ValueError("must be whole seconds (Pub/Sub ack deadlines are in seconds)")
         return value
+
     max_idle_keys: int = Field(10_000, ge=0)
     """Keys with nothing pending kept in memory; past it the longest idle are forgotten and rebuilt
     from their durable cursor when a message for them arrives (no I/O: the store keeps cursors)."""

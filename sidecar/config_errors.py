@@ -75,9 +75,7 @@ class _BoundedLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_YAML_DEPTH:
                 mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
-                raise yaml.MarkedYAMLError(
-                    problem=f"nested more than {MAX_YAML_DEPTH} levels deep", problem_mark=mark
-                )
+                raise yaml.MarkedYAMLError(problem=f"nested more than {MAX_YAML_DEPTH} levels deep", problem_mark=mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1

@@ -220,9 +220,7 @@ async def _run_check(check: ReadinessCheck) -> str | None:
 class HttpEndpoint:
     """The aiohttp server for probes and scrapes."""
 
-    def __init__(
-        self, address: str, metrics: Metrics, readiness: Readiness, liveness: Liveness | None = None
-    ) -> None:
+    def __init__(self, address: str, metrics: Metrics, readiness: Readiness, liveness: Liveness | None = None) -> None:
         host, _, port = address.rpartition(":")
         self._liveness = liveness
         self._host = host or "127.0.0.1"

@@ -426,11 +426,14 @@ class SubscriptionRuntime:
         status, _ = entry.engine.status(self._clock(), max_keys=0)
         if status.in_flight:
             return False
-        return not any(
-            self._engines.route(intent.message.key) == entry.shard
-            for pending in self._acks_pending
-            for intent in pending.intents
-        ) and self._acks_idle.is_set()
+        return (
+            not any(
+                self._engines.route(intent.message.key) == entry.shard
+                for pending in self._acks_pending
+                for intent in pending.intents
+            )
+            and self._acks_idle.is_set()
+        )
 
     def is_live(self) -> bool:
         """False when recovery has made no progress for ``RECOVERY_STALL_SECONDS`` (or the runtime failed)."""

@@ -34,6 +34,8 @@ async def _serve(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         metric_period=args.metric_period,
         metric_delay=args.metric_delay,
+        firestore_indexes=args.firestore_indexes,
+        ttl_sweep_seconds=args.firestore_ttl_sweep,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -56,12 +56,18 @@ class EmulatorStack:
         admin_port: int = 0,
         metric_period: float = 60.0,
         metric_delay: float = 120.0,
+        firestore_indexes: str | None = None,
+        ttl_sweep_seconds: float = 60.0,
     ) -> None:
+        """``firestore_indexes``: a ``firestore.indexes.json`` for the Firestore emulator (None: every
+        field indexed); ``ttl_sweep_seconds``: its TTL sweep interval (0: after every commit)."""
         self.host = host
         self._ports = {"pubsub": pubsub_port, "firestore": firestore_port, "monitoring": monitoring_port}
         self._admin_port = admin_port
         self._metric_period = metric_period
         self._metric_delay = metric_delay
+        self._firestore_indexes = firestore_indexes
+        self._ttl_sweep_seconds = ttl_sweep_seconds
         self.injector = FaultInjector()
         self.pubsub: PubsubEmulator | None = None
         self.firestore: Any = None
@@ -115,7 +121,13 @@ class EmulatorStack:
         extra_routes = list(pubsub.admin_routes())
         firestore_cls = _firestore_class()
         if firestore_cls is not None:
-            firestore = firestore_cls(self.injector)
+            indexes = None
+            if self._firestore_indexes is not None:
+                # OSError / ValueError (one line naming the entry): `emulators` prints it and exits 1.
+                from sidecar.emulators.firestore.indexes import load_index_config
+
+                indexes = load_index_config(self._firestore_indexes)
+            firestore = firestore_cls(self.injector, indexes=indexes, ttl_sweep_seconds=self._ttl_sweep_seconds)
             self.firestore = firestore
             self._cleanups.append(firestore.close)
             self.firestore_host = await self._serve("firestore", firestore.add_to_server)

@@ -444,9 +444,7 @@ class Engine:
         if entry is None or entry.state != HELD or payload is None or payload.stripped or not payload.ref:
             return 0
         freed = payload_size(payload)
-        entry.message = replace(
-            entry.message, payload=replace(payload, data=b"", attributes={}, stripped=True)
-        )
+        entry.message = replace(entry.message, payload=replace(payload, data=b"", attributes={}, stripped=True))
         return freed
 
     def is_in_flight(self, delivery_id: str) -> bool:

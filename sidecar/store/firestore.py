@@ -675,3 +675,54 @@ class _ListenRemoved(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.error: StoreError = docs.Misconfigured(f"listen: target removed by the server ({code}): {message}")
+
+
+async def check_deployment(project: str, database: str, log: logging.Logger, timeout_seconds: float = 10.0) -> None:
+    """Log a warning per missing index exemption or TTL policy (``sidecar.store.deployment``); never raises.
+
+    Reads each field through the FirestoreAdmin API (the emulator's when ``FIRESTORE_EMULATOR_HOST``
+    is set). A refused or unreachable admin API gives one warning saying so and which role grants it.
+    """
+    # Imported here: only this start-up check uses the admin client, and this keeps it in one place.
+    import os
+
+    from google.cloud.firestore_admin_v1.services.firestore_admin import FirestoreAdminAsyncClient
+    from google.cloud.firestore_admin_v1.services.firestore_admin.transports import FirestoreAdminGrpcAsyncIOTransport
+    from google.cloud.firestore_admin_v1.types import Field
+
+    from sidecar.store import deployment
+
+    pairs = deployment.fields_to_check()
+    answers: list[Any] = []
+    emulator = os.environ.get("FIRESTORE_EMULATOR_HOST")
+    channel = grpc.aio.insecure_channel(emulator) if emulator else None
+    try:
+        if channel is not None:
+            admin = FirestoreAdminAsyncClient(transport=FirestoreAdminGrpcAsyncIOTransport(channel=channel))
+        else:
+            admin = FirestoreAdminAsyncClient()
+        groups = f"projects/{project}/databases/{database}/collectionGroups"
+        answers = await asyncio.gather(
+            *(admin.get_field(name=f"{groups}/{g}/fields/{f}", retry=None, timeout=timeout_seconds) for g, f in pairs),
+            return_exceptions=True,
+        )
+    except Exception as exc:  # credentials missing, bad endpoint: the check is best effort
+        answers = [exc]
+    finally:
+        if channel is not None:
+            await channel.close()
+    failure = next((a for a in answers if isinstance(a, BaseException)), None)
+    if isinstance(failure, asyncio.CancelledError):
+        raise failure
+    if failure is not None:
+        log.warning(deployment.unverifiable_warning(database, f"{type(failure).__name__}: {failure}"))
+        return
+    states = {
+        pair: deployment.FieldState(
+            exempted=not field.index_config.uses_ancestor_config and not field.index_config.indexes,
+            ttl_active=field.ttl_config.state == Field.TtlConfig.State.ACTIVE,
+        )
+        for pair, field in zip(pairs, answers, strict=True)
+    }
+    for warning in deployment.deployment_warnings(states, database):
+        log.warning(warning)

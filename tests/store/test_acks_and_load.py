@@ -38,7 +38,7 @@ async def test_ack_tombstones_and_coalesces_cursor_writes(make_store, emulator):
         await store.commit_acks("orders", [ack(message, message.sequence + 1)], 10_000 + i * 10)
     spent = {name: emulator.counters()[name] - before[name] for name in before}
     # 50 tombstones + the shard's checkpoint (with the key's cursor in it) once; nothing read.
-    assert spent == {"reads": 0, "writes": 51, "deletes": 0}
+    assert spent == {"reads": 0, "writes": 51, "deletes": 0, "ttl_deletes": 0}
     client = client_of(store)
     assert await documents(client, f"{_ROOT}/keys") == {}, "a few keys' cursors live in their shard's checkpoint"
     (checkpoint,) = (await documents(client, f"{_ROOT}/checkpoints")).values()

@@ -59,7 +59,7 @@ async def test_a_fenced_commit_applies_while_the_lease_holds_and_nothing_once_it
     before = emulator.counters()
     await documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 1})], [fence])
     spent = {name: emulator.counters()[name] - before[name] for name in before}
-    assert spent == {"reads": 1, "writes": 1, "deletes": 0}, "a fence costs one read of its lease"
+    assert spent == {"reads": 1, "writes": 1, "deletes": 0, "ttl_deletes": 0}, "a fence costs one read of its lease"
     await _set_leases(store, {0: ("pod-b", 8)})
     with pytest.raises(docs.Fenced) as caught:
         await documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 2})], [fence])

@@ -7,7 +7,9 @@
   changed (not when deleted), and at least one when it starts (``listen``).
 - writes: one per document written by a set, update, create or transform (a write carrying
   transforms is still one write).
-- deletes: one per delete write, existing document or not.
+- deletes: one per delete write, existing document or not, and one per document a TTL policy
+  deleted (production bills a TTL deletion as a delete).
+- ttl_deletes: the part of ``deletes`` that TTL sweeps made (``ttl``).
 Only writes that were applied are billed: a refused or aborted commit costs nothing.
 """
 
@@ -21,9 +23,10 @@ class Counters:
     reads: int = 0
     writes: int = 0
     deletes: int = 0
+    ttl_deletes: int = 0
 
     def snapshot(self) -> dict[str, int]:
-        return {"reads": self.reads, "writes": self.writes, "deletes": self.deletes}
+        return {"reads": self.reads, "writes": self.writes, "deletes": self.deletes, "ttl_deletes": self.ttl_deletes}
 
     def reset(self) -> None:
-        self.reads = self.writes = self.deletes = 0
+        self.reads = self.writes = self.deletes = self.ttl_deletes = 0

@@ -18,6 +18,9 @@ Invariants:
 - ``observers`` are called after every ``apply`` that changed something, with the changed names
   and their new records (None: deleted), still inside the commit's synchronous step: so a
   listener (``listen``) sees every commit, whole, in commit order.
+- ``write_observers`` are called once per changed document inside ``apply``, with the name, the
+  old record and the new one (None: absent), before ``observers``: index bookkeeping (TTL expiry,
+  hotspots) needs the old version, which is gone once the commit is applied.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ class DocumentStore:
     _history_order: deque[tuple[int, str]] = field(default_factory=deque)
     _history_by_collection: dict[str, dict[str, None]] = field(default_factory=dict)
     observers: list[Callable[[list[tuple[str, Record | None]], int], None]] = field(default_factory=list)
+    write_observers: list[Callable[[str, Record | None, Record | None], None]] = field(default_factory=list)
 
     def clear(self) -> None:
         self.collections.clear()
@@ -205,6 +209,8 @@ class DocumentStore:
             if old is record:
                 continue
             changed.append((name, record))
+            for write_observer in self.write_observers:
+                write_observer(name, old, record)
             if old is not None:
                 self._remember(name, parent, old, commit_us)
             if record is None:

@@ -55,6 +55,8 @@ from sidecar.emulators.firestore import protos as pb
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
 from sidecar.emulators.firestore.errors import FirestoreError, invalid
+from sidecar.emulators.firestore.index_plan import check_query
+from sidecar.emulators.firestore.indexes import IndexConfig
 from sidecar.emulators.firestore.listen_targets import DocumentsTarget, QueryTarget, Target, resume_token
 from sidecar.emulators.firestore.query import compile_query
 
@@ -71,9 +73,10 @@ quiet stream never falls out of the version history a resume diffs against."""
 class ListenHub:
     """Every open Listen stream, indexed by the collections their targets watch."""
 
-    def __init__(self, store: DocumentStore, counters: Counters) -> None:
+    def __init__(self, store: DocumentStore, counters: Counters, indexes: IndexConfig | None = None) -> None:
         self.store = store
         self.counters = counters
+        self.indexes = indexes or IndexConfig.everything()
         self.sessions: set[Session] = set()
         self._by_collection: dict[str, dict[tuple[Session, Target], None]] = {}
         self._scanned: dict[tuple[Session, Target], None] = {}
@@ -225,6 +228,16 @@ class Session:
         if target_id in self.targets:
             raise invalid(f"Listen: target id {target_id} is already in use on this stream.")
         target = self._build(spec, target_id)
+        if isinstance(target, QueryTarget):
+            try:
+                check_query(self.hub.indexes, target.query.parent, spec.query.structured_query)
+            except FirestoreError as exc:
+                # Production refuses such a target alone (a REMOVE carrying the cause); the stream stays.
+                removed = _target_change(_REMOVE, target_id)
+                removed.target_change.cause.code = exc.code.value[0]
+                removed.target_change.cause.message = exc.message
+                self._outbox.append(removed)
+                return
         since = _since(spec)
         store = self.hub.store
         read_us = store.clock.tick()

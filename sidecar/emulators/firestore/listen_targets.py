@@ -43,8 +43,7 @@ class Target(ABC):
         return True
 
     @abstractmethod
-    def admits(self, record: Record) -> bool:
-        ...
+    def admits(self, record: Record) -> bool: ...
 
     @abstractmethod
     def candidates_after(self, store: DocumentStore, since_us: int) -> Iterator[str]:
@@ -52,8 +51,7 @@ class Target(ABC):
         ...
 
     @abstractmethod
-    def current(self, store: DocumentStore) -> list[Record]:
-        ...
+    def current(self, store: DocumentStore) -> list[Record]: ...
 
     @abstractmethod
     def collection_paths(self) -> list[str] | None:
@@ -61,8 +59,7 @@ class Target(ABC):
         ...
 
     @abstractmethod
-    def concerns(self, name: str) -> bool:
-        ...
+    def concerns(self, name: str) -> bool: ...
 
     # ---- commits ------------------------------------------------------------------------------
 

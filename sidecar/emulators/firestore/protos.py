@@ -6,6 +6,9 @@ proto-plus types): the emulator never builds proto-plus wrappers, which are seve
 
 from __future__ import annotations
 
+from google.cloud.firestore_admin_v1.types import field as admin_field
+from google.cloud.firestore_admin_v1.types import firestore_admin
+from google.cloud.firestore_admin_v1.types import index as admin_index
 from google.cloud.firestore_v1.types import (
     aggregation_result,
     common,
@@ -19,6 +22,7 @@ from google.rpc import status_pb2
 from google.type import latlng_pb2
 
 SERVICE_NAME = "google.firestore.v1.Firestore"
+ADMIN_SERVICE_NAME = "google.firestore.admin.v1.FirestoreAdmin"
 
 Document = document.Document.pb()
 Value = document.Value.pb()
@@ -64,6 +68,13 @@ TargetChange = firestore.TargetChange.pb()
 DocumentChange = write.DocumentChange.pb()
 DocumentDelete = write.DocumentDelete.pb()
 DocumentRemove = write.DocumentRemove.pb()
+
+# FirestoreAdmin (field configuration only; see ``admin_fields``).
+AdminField = admin_field.Field.pb()
+AdminIndex = admin_index.Index.pb()
+GetFieldRequest = firestore_admin.GetFieldRequest.pb()
+ListFieldsRequest = firestore_admin.ListFieldsRequest.pb()
+ListFieldsResponse = firestore_admin.ListFieldsResponse.pb()
 
 Empty = empty_pb2.Empty
 Timestamp = timestamp_pb2.Timestamp

@@ -30,6 +30,8 @@ from sidecar.emulators.firestore.aggregation import aggregate, parse_aggregation
 from sidecar.emulators.firestore.counters import Counters
 from sidecar.emulators.firestore.documents import DocumentStore, Record
 from sidecar.emulators.firestore.errors import FirestoreError, failed_precondition, invalid, not_found, unimplemented
+from sidecar.emulators.firestore.index_plan import check_query
+from sidecar.emulators.firestore.indexes import IndexConfig
 from sidecar.emulators.firestore.listen import ListenHub
 from sidecar.emulators.firestore.paths import parse_field_path
 from sidecar.emulators.firestore.query import CompiledQuery, compile_query, execute
@@ -59,12 +61,21 @@ class FirestoreService:
     """The servicer: request decoding, consistency selection, commit staging, billing."""
 
     def __init__(
-        self, store: DocumentStore, transactions: TransactionManager, counters: Counters, listens: ListenHub
+        self,
+        store: DocumentStore,
+        transactions: TransactionManager,
+        counters: Counters,
+        listens: ListenHub,
+        indexes: IndexConfig | None = None,
+        after_commit: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.transactions = transactions
         self.counters = counters
         self.listens = listens
+        self.indexes = indexes or IndexConfig.everything()
+        self.after_commit = after_commit
+        """Called after every applied commit or batch write (the TTL sweep when its interval is 0)."""
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -210,7 +221,9 @@ class FirestoreService:
 
     def _query(self, parent: str, structured_query: Any, required_fields: list[Any] | None = None) -> CompiledQuery:
         names.parent_name(parent)
-        return compile_query(parent, structured_query, required_fields or ())
+        query = compile_query(parent, structured_query, required_fields or ())
+        check_query(self.indexes, parent, structured_query, required_fields or ())
+        return query
 
     async def run_query(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.WhichOneof("query_type") != "structured_query":
@@ -368,6 +381,8 @@ class FirestoreService:
         self.store.apply(staged, commit_us)
         self.counters.deletes += deletes
         self.counters.writes += len(targets) - deletes
+        if self.after_commit is not None:
+            self.after_commit()
         return response
 
     async def batch_write(self, request: Any, context: Any) -> Any:
@@ -399,6 +414,8 @@ class FirestoreService:
                 counters.writes += 1
             response.write_results.append(result)
             response.status.add()
+        if self.after_commit is not None:
+            self.after_commit()
         return response
 
     async def create_document(self, request: Any, context: Any) -> Any:

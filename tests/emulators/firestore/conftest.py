@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from firestore_harness import Endpoint, FakeMonotonic
+from firestore_harness import INDEX_CONFIG, Endpoint, FakeMonotonic
 
 from sidecar.emulators.faults import FaultInjector
 from sidecar.emulators.firestore import FirestoreEmulator
+from sidecar.emulators.firestore.indexes import parse_index_config
 from sidecar.emulators.firestore.threaded import ServerThread
 
 _EXTERNAL = os.environ.get("FIRESTORE_EMULATOR_HOST")
@@ -85,3 +87,37 @@ def faults(endpoint: Endpoint) -> Iterator[FaultInjector]:
         yield endpoint.injector
     finally:
         endpoint.injector.clear()
+
+
+@pytest.fixture(scope="session")
+def indexed() -> Iterator[Endpoint]:
+    """A second emulator, loaded with ``INDEX_CONFIG`` and sweeping TTL after every commit.
+
+    Index configs are per emulator, so these tests get their own; they point the clients at it with
+    ``indexed_client``. Never external: an external endpoint has its own configuration.
+    """
+    if _EXTERNAL:
+        pytest.skip("emulator-only test: the index configuration is the in-process emulator's")
+    injector = FaultInjector(seed=7)
+    emulator = FirestoreEmulator(injector, indexes=parse_index_config(INDEX_CONFIG), ttl_sweep_seconds=0)
+    thread = ServerThread(emulator, injector)
+    thread.start()
+    assert thread.ready.wait(30), "emulator did not start"
+    if thread.error is not None:
+        raise thread.error
+    try:
+        yield Endpoint(host=f"127.0.0.1:{thread.port}", emulator=emulator, injector=injector, loop=thread.loop)
+    finally:
+        thread.stop()
+
+
+@pytest.fixture
+def indexed_client(indexed: Endpoint, project: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from google.cloud import firestore
+
+    monkeypatch.setenv("FIRESTORE_EMULATOR_HOST", indexed.host)
+    c = firestore.Client(project=project)
+    try:
+        yield c
+    finally:
+        c.close()

@@ -23,6 +23,39 @@ class FakeMonotonic:
         return time.monotonic() + self.offset
 
 
+INDEX_CONFIG: dict[str, Any] = {
+    "indexes": [
+        {
+            "collectionGroup": "people",
+            "queryScope": "COLLECTION",
+            "fields": [{"fieldPath": "city", "order": "ASCENDING"}, {"fieldPath": "nick", "order": "DESCENDING"}],
+        }
+    ],
+    "fieldOverrides": [
+        {"collectionGroup": "people", "fieldPath": "nick", "indexes": []},
+        {
+            "collectionGroup": "people",
+            "fieldPath": "tags",
+            "indexes": [{"arrayConfig": "CONTAINS", "queryScope": "COLLECTION"}],
+        },
+        {
+            "collectionGroup": "people",
+            "fieldPath": "age",
+            "indexes": [
+                {"order": "ASCENDING", "queryScope": "COLLECTION"},
+                {"order": "ASCENDING", "queryScope": "COLLECTION_GROUP"},
+            ],
+        },
+        {"collectionGroup": "sessions", "fieldPath": "expire_at", "ttl": True, "indexes": []},
+        {"collectionGroup": "events", "fieldPath": "ts", "indexes": []},
+    ],
+}
+"""The ``indexed`` emulator's firestore.indexes.json: in ``people``, ``nick`` is exempted (but the
+composite (city, nick desc) covers it), ``tags`` keeps only array-contains, ``age`` only ascending
+(in both scopes), ``city`` and the rest keep the defaults; ``sessions.expire_at`` is a TTL field;
+``events.ts`` is exempted (no hotspot counted)."""
+
+
 @dataclass
 class Endpoint:
     host: str
@@ -36,8 +69,6 @@ class Endpoint:
         if self.emulator is None:
             pytest.skip("emulator-only test: FIRESTORE_EMULATOR_HOST points at an external endpoint")
         return self.emulator
-
-
 
 
 def gapic(client: Any) -> Any:

@@ -88,7 +88,7 @@ def test_counters_bill_like_firestore(client: firestore.Client, endpoint: Endpoi
     col.document("b").set({"v": 2})
     col.document("b").delete()
     col.document("zz").delete()
-    assert emulator.counters == {"reads": 0, "writes": 2, "deletes": 2}
+    assert emulator.counters == {"reads": 0, "writes": 2, "deletes": 2, "ttl_deletes": 0}
     list(client.get_all([col.document("a"), col.document("missing")]))
     assert emulator.counters["reads"] == 2
     list(col.where(filter=firestore.FieldFilter("v", "==", 99)).stream())
@@ -99,7 +99,7 @@ def test_counters_bill_like_firestore(client: firestore.Client, endpoint: Endpoi
         col.document("a").create({})
     assert emulator.counters["writes"] == 2  # refused writes are not billed
     emulator.reset_counters()
-    assert emulator.counters == {"reads": 0, "writes": 0, "deletes": 0}
+    assert emulator.counters == {"reads": 0, "writes": 0, "deletes": 0, "ttl_deletes": 0}
 
 
 def test_injected_faults_take_effect(client: firestore.Client, faults: FaultInjector) -> None:
@@ -146,7 +146,7 @@ async def test_admin_routes_read_and_reset() -> None:
     async with TestClient(TestServer(app)) as http:
         emulator._counters.writes = 3
         response = await http.get("/firestore/counters")
-        assert await response.json() == {"reads": 0, "writes": 3, "deletes": 0}
+        assert await response.json() == {"reads": 0, "writes": 3, "deletes": 0, "ttl_deletes": 0, "hotspots": {}}
         response = await http.post("/firestore/counters/reset")
         assert (await response.json())["writes"] == 0
         response = await http.post("/firestore/reset")

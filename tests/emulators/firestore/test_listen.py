@@ -81,9 +81,7 @@ def test_a_write_that_leaves_a_document_outside_the_result_sends_nothing(
     assert last is recorder.snapshots[1]
 
 
-def test_snapshots_follow_commit_order_and_never_show_half_a_commit(
-    client: firestore.Client, watches: Watches
-) -> None:
+def test_snapshots_follow_commit_order_and_never_show_half_a_commit(client: firestore.Client, watches: Watches) -> None:
     col = client.collection("order")
     col.document("left").set({"v": 0})
     col.document("right").set({"v": 0})
