@@ -477,6 +477,7 @@ class Engine:
         """The store made these acks durable: cursors advance, slots free up. Ids that are not
         acking (unknown, or already durable) are ignored, so a repeated call is harmless."""
         deliveries = self._deliveries
+        actions: list[Action] = []
         for delivery_id in delivery_ids:
             entry = deliveries.get(delivery_id)
             if entry is None or entry.state != ACKING:
@@ -484,7 +485,10 @@ class Engine:
             del deliveries[delivery_id]
             self._acked += 1
             self._finish(entry, now_ms, occupied=False)  # its slot was freed by ``ack``
-        return []
+            if entry.twin is not None:
+                # The stored copy of a fast-path message: its ack is durable now, so its record may go.
+                actions.append(DropDuplicate(entry.twin, "stored copy of an acked message", finish_record=True))
+        return actions
 
     def nack(
         self,

@@ -58,6 +58,7 @@ class Entry:
         "resumed",
         "skipped",
         "state",
+        "twin",
     )
 
     def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
@@ -79,6 +80,9 @@ class Entry:
         self.resumed = False
         """sequence: a replay that took the place of the dead letter its key was blocked at. In order
         (in ``out``, moves the cursor), but waits in the late queue: the run may have moved past it."""
+        self.twin: Message | None = None
+        """A fast-path message (``volatile``) that a stored copy of itself reached meanwhile: that
+        copy's record stays pending until this one's ack is durable, then is finished as dropped."""
 
 
 class KeyState:

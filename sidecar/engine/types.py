@@ -233,6 +233,14 @@ class KeyCursor:
     blocked_position: int | tuple[int, str] | None = None
     """The position of the dead letter the key is blocked at, when ``blocked`` and known: a replay
     of that very message lifts the block (None: sequence mode reads the cursor instead)."""
+    known_from: int | None = field(default=None, compare=False)
+    """Not part of equality (nor ``skipped``): what the store knows below the cursor, not where it is.
+    sequence mode: every sequence from here up to ``next_sequence`` is finished (acked or
+    dead-lettered) unless it lies in ``skipped`` (passed by a gap timeout). A copy there is then a
+    duplicate, or late when skipped. None: the store knows nothing below ``next_sequence`` (a copy
+    below it is dead-lettered as ``below_cursor``)."""
+    skipped: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    """sequence mode: ranges (first, last) below ``next_sequence`` a gap timeout skipped."""
 
 
 @dataclass(frozen=True, slots=True)

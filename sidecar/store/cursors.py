@@ -77,6 +77,11 @@ class KeyState:
     """When this process last wrote the key's cursor document (None: not since start)."""
     dirty_since_ms: int | None = None
     """Oldest durable change not yet written to a cursor record (None: its record is current)."""
+    known_from: int | None = None
+    """sequence mode: every sequence from here to ``next_sequence`` is finished unless in ``skips``."""
+    skips: list[list[int]] = field(default_factory=list)
+    """sequence mode: ranges [first, last] below ``next_sequence`` the cursor passed unfinished (a gap
+    timeout skipped them), at most ``MAX_SKIPS``; the oldest are forgotten by raising ``known_from``."""
     in_overlay: bool = False
     """The key's latest written state is in its shard's checkpoint (``cursors``), not (only) in its
     own cursor document, which may be older or missing: recovery takes the checkpoint's."""
@@ -84,7 +89,12 @@ class KeyState:
     """When the state last changed (which keys move from the checkpoint to their own documents first)."""
 
     def copy(self) -> KeyState:
-        return dataclasses.replace(self, done_above=set(self.done_above), unblocked=set(self.unblocked))
+        return dataclasses.replace(
+            self,
+            done_above=set(self.done_above),
+            unblocked=set(self.unblocked),
+            skips=[list(bounds) for bounds in self.skips],
+        )
 
 
 def _max(current: Any, new: Any) -> Any:
@@ -119,16 +129,58 @@ class CursorRules:
         return shard_of(key, self.shards)
 
     def new_state(self, key: str) -> KeyState:
-        return KeyState(key, next_sequence=self.sequence_start if self.mode == "sequence" else None)
+        start = self.sequence_start if self.mode == "sequence" else None
+        return KeyState(key, next_sequence=start, known_from=start)
+
+
+MAX_SKIPS = 64
+"""Skipped ranges kept per key (the engine keeps as many)."""
+
+
+def _record_skips(state: KeyState, before: int, after: int, position: int | None) -> None:
+    """The cursor moved from ``before`` to ``after``: what it passed unfinished (neither ``position``
+    nor a finished sequence above the old cursor) was skipped by a gap timeout."""
+    finished = {seq for seq in state.done_above if before <= seq < after}
+    if position is not None:
+        finished.add(position)
+    start = before
+    for seq in [*sorted(finished), after]:
+        if seq < start:
+            continue
+        if seq > start:
+            if state.skips and state.skips[-1][1] == start - 1:
+                state.skips[-1][1] = seq - 1
+            else:
+                state.skips.append([start, seq - 1])
+        start = seq + 1
+    while len(state.skips) > MAX_SKIPS:
+        _, last = state.skips.pop(0)
+        state.known_from = max(state.known_from or 0, last + 1)
+
+
+def _unskip(state: KeyState, seq: int) -> None:
+    """``seq`` finished after all (a late message acked or dead-lettered): no longer skipped."""
+    for i, (first, last) in enumerate(state.skips):
+        if first <= seq <= last:
+            parts = [[first, seq - 1], [seq + 1, last]]
+            state.skips[i : i + 1] = [part for part in parts if part[0] <= part[1]]
+            return
 
 
 def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None) -> None:
     """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``."""
     if mode == "sequence":
+        before = state.next_sequence
         if isinstance(cursor, int):
             state.next_sequence = _max(state.next_sequence, cursor)
+        if before is None and state.next_sequence is not None and state.known_from is None:
+            state.known_from = position if isinstance(position, int) else state.next_sequence  # adopted
+        if before is not None and state.next_sequence is not None and state.next_sequence > before:
+            _record_skips(state, before, state.next_sequence, position if isinstance(position, int) else None)
         if isinstance(position, int) and state.next_sequence is not None and position >= state.next_sequence:
             state.done_above.add(position)
+        elif isinstance(position, int):
+            _unskip(state, position)  # acked after all: never skipped (a late copy, or folded out of order)
         _walk(state)
     elif mode == "watermark" and isinstance(cursor, tuple):
         state.last_position = _max(state.last_position, (int(cursor[0]), str(cursor[1])))
@@ -155,6 +207,8 @@ def fold_dead_letter(
             if state.next_sequence is not None and position >= state.next_sequence:
                 state.done_above.add(position)
                 _walk(state)
+            else:
+                _unskip(state, position)  # a late message, finished: a copy of it is a duplicate now
         return
     if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
@@ -416,6 +470,10 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
     fields: dict[str, Any] = {"key": state.key, "v": LAYOUT_VERSION}
     if state.next_sequence is not None:
         fields["next_seq"] = state.next_sequence
+    if state.known_from is not None and state.next_sequence is not None and state.known_from < state.next_sequence:
+        fields["known"] = state.known_from
+        if state.skips:
+            fields["skips"] = [seq for bounds in state.skips for seq in bounds]
     if state.done_above:
         fields["above_seq"] = sorted(state.done_above)
     if state.last_position is not None:
@@ -447,6 +505,12 @@ def state_from_cursor_doc(doc_id: str, fields: dict[str, Any], what: str = "") -
         if fields.get("next_seq") is not None:
             state.next_sequence = _int(fields["next_seq"])
         state.done_above = {_int(seq) for seq in fields.get("above_seq") or []}
+        if fields.get("known") is not None:
+            state.known_from = _int(fields["known"])
+        flat = [_int(seq) for seq in fields.get("skips") or []]
+        if len(flat) % 2:
+            raise ValueError(f"skips has an odd number of bounds ({len(flat)})")
+        state.skips = [[flat[i], flat[i + 1]] for i in range(0, len(flat), 2)]
         if fields.get("pos_ts") is not None:
             state.last_position = (_int(fields["pos_ts"]), str(fields["pos_id"]))
         if fields.get("blk_seq") is not None:
@@ -480,6 +544,8 @@ def key_cursor(state: KeyState, mode: Mode) -> KeyCursor | None:
             blocked=blocked,
             acked_above=tuple(sorted(state.done_above)),
             blocked_position=blocked_position,
+            known_from=state.known_from,
+            skipped=tuple((first, last) for first, last in state.skips),
         )
     if mode == "watermark" and (state.last_position is not None or blocked):
         return KeyCursor(

@@ -44,7 +44,7 @@ async def test_ack_tombstones_and_coalesces_cursor_writes(make_store, emulator):
     (checkpoint,) = (await documents(client, f"{_ROOT}/checkpoints")).values()
     assert checkpoint["clean_ms"] == 10_000
     ((key_id, cursor),) = checkpoint["cursors"].items()
-    assert cursor == {"key": "a", "next_seq": 2} and key_id == store_codec.key_doc_id("a")
+    assert cursor == {"key": "a", "next_seq": 2, "known": 1} and key_id == store_codec.key_doc_id("a")
     docs = await documents(client, f"{_ROOT}/messages")
     assert all(d["state"] == "acked" and "data" not in d and "attrs" not in d for d in docs.values())
     assert all(d["expire_at"].timestamp() * 1000 == d["done_ms"] + 7 * 24 * 3600 * 1000 for d in docs.values())
@@ -243,7 +243,7 @@ async def test_cursor_documents_carry_no_ttl_a_layout_version_and_their_shard(ma
     assert tombstone["state"] == "acked" and "expire_at" in tombstone and "data" not in tombstone
     assert tombstone["shard"] == shard and tombstone["v"] == 2
     checkpoints = await documents(client_of(store), f"{_ROOT}/checkpoints")
-    cursor = {"key": "a", "next_seq": 2}
+    cursor = {"key": "a", "next_seq": 2, "known": 1}
     assert checkpoints == {
         f"{shard:04d}": {"shard": shard, "clean_ms": 2000, "v": 2, "cursors": {store_codec.key_doc_id("a"): cursor}}
     }
