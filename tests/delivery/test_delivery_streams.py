@@ -7,7 +7,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 
-from delivery_harness import WAIT_SECONDS, Harness, sequence_config, wait_until
+from delivery_harness import Harness, sequence_config, wait_until
 
 
 def _shuffled(keys: int, per_key: int, seed: int) -> list[tuple[str, int]]:
