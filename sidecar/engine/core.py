@@ -352,20 +352,18 @@ class Engine:
         return None, entry
 
     def fast_path(self, message: Message) -> bool:
-        """True when ``message`` may skip the store (sequence mode's in-order fast path): it is
-        exactly its key's next position to hand out, and its key holds nothing else (nothing
-        buffered, ready, in flight, late, dead-lettering, backing off or blocked). Pure query: the
-        caller then hands it to ``on_stored`` flagged ``volatile``. Everything else is stored first."""
+        """True when ``message`` may skip the store (sequence mode's in-order fast path): it is the
+        first position its key is missing, so it joins the run of messages ready in order at once
+        (behind those in flight or ready, ahead of any held beyond a gap), and its key is neither
+        blocked, dead-lettering nor backing off. It then waits for nothing but the app: Pub/Sub can
+        keep it meanwhile. Pure query: the caller hands it to ``on_stored`` flagged ``volatile``."""
         if self._seq is None or message.replay_id or message.sequence is None or message.volatile is False:
             return False
         key = self._keys.get(message.key) or self._key(message.key)  # an idle key is rebuilt from its cursor
         return (
             key.cursor is not None
-            and message.sequence == key.next_out
-            and key.n_held == 0
-            and key.n_out == 0
-            and key.n_ready == 0
-            and not key.late
+            and message.sequence == key.run_end
+            and message.sequence not in key.index
             and not key.blocked
             and not key.dead_lettering
             and key.backoff_until is None

@@ -47,14 +47,40 @@ async def test_in_order_messages_are_delivered_without_a_record_and_acked_once_t
     assert await h.admin.pull_available(h.subscription) == []
 
 
-async def test_out_of_order_messages_are_stored_first(make_harness: MakeHarness) -> None:
+async def test_a_message_beyond_a_gap_is_stored_and_the_one_filling_it_takes_the_fast_path(
+    make_harness: MakeHarness,
+) -> None:
     h = await make_harness(fast_path=True).start()
     await h.publish_order("A", 2)
-    await wait_until(lambda: h.counters.persisted == 1, "2 stored: it is not the key's next")
+    await wait_until(lambda: h.counters.persisted == 1, "2 stored: it waits for 1")
     await h.publish_order("A", 1)
-    await wait_until(lambda: h.counters.persisted == 2, "1 stored too: its key holds 2")
-    assert h.counters.fast_path == 0
-    assert sorted(m.sequence for m in await h.stored_pending()) == [1, 2]
+    await wait_until(lambda: h.counters.fast_path == 1, "1 fills the gap: it waits for nothing but the app")
+    assert [m.sequence for m in await h.stored_pending()] == [2]
+    delivered = await _take(h, 1)
+    assert [(d.message.sequence, d.message.volatile) for d in delivered] == [(1, True)]
+    assert h.runtime is not None
+    await h.runtime.ack("app", [delivered[0].delivery_id])
+    (second,) = await _take(h, 1)
+    assert (second.message.sequence, second.message.volatile) == (2, False)
+
+
+async def test_several_in_order_messages_of_a_key_take_the_fast_path_while_the_first_is_in_flight(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness(fast_path=True).start()
+    await h.publish_order("A", 1)
+    (first,) = await _take(h, 1)
+    for seq in (2, 3):
+        await h.publish_order("A", seq)
+    await wait_until(lambda: h.counters.fast_path == 3, "2 and 3 queue behind 1 without a document")
+    assert await h.stored_pending() == []
+    assert h.runtime is not None
+    await h.runtime.ack("app", [first.delivery_id])
+    for seq in (2, 3):
+        (message,) = await _take(h, 1)
+        assert message.message.sequence == seq
+        await h.runtime.ack("app", [message.delivery_id])
+    await wait_until(lambda: h.counters.acked == 3, "all three acked in Pub/Sub once durable")
 
 
 async def test_a_nacked_fast_path_message_comes_back_from_memory_and_pub_sub_still_holds_it(
