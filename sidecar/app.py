@@ -48,7 +48,7 @@ from sidecar.ownership import ShardOwnership
 from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
-from sidecar.store.firestore import FirestoreStore
+from sidecar.store.firestore import FirestoreStore, check_deployment
 from sidecar.store.timed import TimedStore
 from sidecar.watermark import WatermarkSource
 
@@ -161,6 +161,12 @@ class Sidecar:
             fences=fence,
         )
         clients.push_async_callback(_close_quietly, "store", store.close)
+        # Index exemptions and the TTL policy (docs/operations.md): a warning per missing piece,
+        # naming the command; never a reason not to start, so it runs beside the start.
+        deployment_check = asyncio.create_task(
+            check_deployment(config.project, config.firestore.database, _LOGGER), name="deployment-check"
+        )
+        clients.callback(deployment_check.cancel)
         dead_letters = DeadLetterPublisher(
             {sub.name: sub.dead_letter_topic for sub in config.subscriptions},
             subscription_paths={sub.name: sub.subscription for sub in config.subscriptions},

@@ -212,6 +212,10 @@ class SequenceOrdering(_Model):
     first_sequence: Literal["start", "any"] = "start"
     on_late: LatePolicy = "dead_letter"
     """For a message whose sequence was skipped by ``on_gap_timeout: skip`` and that shows up later."""
+    fast_path: bool = True
+    """A message that arrives exactly in order, at its key's owner, with nothing of its key held,
+    is delivered without a Firestore document; Pub/Sub keeps it until its ack is durable in the
+    key's cursor (docs/store.md, the in-order fast path). False: every message is stored first."""
 
     @_field_validator("gap_timeout_ms")
     @classmethod

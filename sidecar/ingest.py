@@ -66,7 +66,7 @@ from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
 
 from sidecar.backoff import backoff_seconds
 from sidecar.classify import Malformed, classify
-from sidecar.config import SubscriptionConfig
+from sidecar.config import SequenceOrdering, SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.runtime import SubscriptionRuntime
@@ -133,6 +133,8 @@ class IngestCounters:
 
     received: int = 0
     """Pub/Sub deliveries handed to the callback (redeliveries included)."""
+    fast_path: int = 0
+    """Messages handed to the runtime's in-order fast path: delivered without a document."""
     malformed: int = 0
     duplicates: int = 0
     persisted: int = 0
@@ -183,6 +185,7 @@ class Ingestor:
         pause_poll_seconds: float = _PAUSE_POLL_SECONDS,
         max_lease_duration_seconds: float = _MAX_LEASE_DURATION_SECONDS,
         clock: Callable[[], int] | None = None,
+        fast_path: bool | None = None,
     ) -> None:
         if max_batch_messages < 1:
             raise ValueError(f"max_batch_messages must be >= 1, got {max_batch_messages}")
@@ -236,6 +239,14 @@ class Ingestor:
         self._unsettled: dict[str, PubsubMessage] = {}
         """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
         self._nack_timers: dict[str, asyncio.TimerHandle] = {}
+        ordering = sub_config.ordering
+        configured = isinstance(ordering, SequenceOrdering) and ordering.fast_path
+        self._fast_path = configured if fast_path is None else fast_path and configured
+        """The in-order fast path (``runtime.take_fast``): sequence mode, ``ordering.fast_path``."""
+        self._fast: dict[int, PubsubMessage] = {}
+        """Fast-path messages (``runtime.take_fast``) by ``id`` of the engine's message: their Pub/Sub
+        ack waits for ``runtime.on_volatile_settled``."""
+        runtime.on_volatile_settled = self._settled
         self._consecutive_failures = 0
         self._task_failure: BaseException | None = None
         self._paused = False
@@ -496,8 +507,37 @@ class Ingestor:
             self._paused = False
         _LOGGER.info("ingest of %s resumed: %d undelivered", self.name, self._runtime.undelivered())
 
+    def _take_fast(self, batch: list[_Item]) -> list[_Item]:
+        """Hand in-order messages to the runtime's fast path (nothing written); the rest is stored.
+        Not messages with a Pub/Sub ordering key: the client gives the callback the next message of
+        such a key only once this one is acked, and a fast-path ack waits for a checkpoint."""
+        rest = []
+        for item in batch:
+            message = None if item.incoming.ordering_key else self._runtime.take_fast(item.incoming)
+            if message is None:
+                rest.append(item)
+            else:
+                self._fast[id(message)] = item.message
+                self.counters.fast_path += 1
+        return rest
+
+    def _settled(self, message: Message, safe: bool) -> None:
+        """The runtime settled a fast-path message: safe (ack durable, or dead letter recorded): ack it;
+        given up (shard lost or dropped): nack it, so that Pub/Sub delivers it again."""
+        pubsub = self._fast.pop(id(message), None)
+        if pubsub is None or pubsub.ack_id not in self._unsettled:
+            return  # stop() gave it back already
+        if safe:
+            self._ack(pubsub)
+        else:
+            self._nack(pubsub)
+
     async def _persist_batch(self, batch: list[_Item]) -> None:
         self.counters.persist_batches += 1
+        if self._fast_path and self._runtime.is_ready:
+            batch = self._take_fast(batch)
+            if not batch:
+                return
         # Several pods: a message whose key this pod does not deliver is stored for its owner
         # (``to_owner``: the owner's Listen picks it up). One whose key it delivers is handed to the
         # runtime after the write only if the lease is still held at the same epoch; otherwise the

@@ -43,7 +43,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from sidecar.backoff import backoff_seconds
@@ -67,6 +67,7 @@ from sidecar.store.api import (
     DEAD_LETTERED,
     DEAD_LETTERED_ASIDE,
     DROPPED,
+    IncomingMessage,
     ShardLost,
     Store,
     StoreError,
@@ -152,10 +153,26 @@ class _PendingAck:
 
 
 @dataclass(slots=True)
+class _AckBatch:
+    """Acks taken together: answered once each of its parts (stored, fast-path) is durable."""
+
+    pending: list[_PendingAck]
+    parts: int = 0
+    refused: set[str] = field(default_factory=set)
+    """Delivery ids whose shard was lost before their ack was durable: never confirmed."""
+
+    @property
+    def intents(self) -> list[AckIntent]:
+        return [intent for pending in self.pending for intent in pending.intents]
+
+
+@dataclass(slots=True)
 class RuntimeCounters:
     """Cumulative counts of what the runtime itself did (the engine keeps the delivery counts)."""
 
     acks_submitted: int = 0
+    fast_path: int = 0
+    """Messages taken by the in-order fast path (``take_fast``): delivered without a document."""
     unknown_ids: int = 0
     ack_commits: int = 0
     store_retries: int = 0
@@ -208,6 +225,10 @@ class SubscriptionRuntime:
         """This process's identity among the pods of the subscription (set with leases)."""
         self.lease_check: Callable[[int], int | None] | None = None
         """The lease manager's ``holds``: the epoch of a shard held within its safety margin now."""
+        self.on_volatile_settled: Callable[[Message, bool], None] | None = None
+        """Told when a fast-path message (``take_fast``) is settled: True once it is safe (its ack
+        durable, or its dead letter published and recorded): ack it in Pub/Sub; False when this pod
+        gave it up (shard lost, dropped, stopped): nack it, Pub/Sub delivers it again."""
         self.status_counts: Callable[[], dict[str, int]] | None = None
         """More counters for GetStatus and metrics (the lease manager's), read when asked."""
         """Told when the store refused a write because this pod no longer owns a shard."""
@@ -363,6 +384,7 @@ class SubscriptionRuntime:
             return False
         self._engines.remove(shard)
         self._store.release(self.name, frozenset({shard}))
+        self._settle_all(entry)
         self.counters.shards_dropped += 1
         _LOGGER.warning(
             "subscription %s: shard %d (epoch %d) dropped; its keys are delivered by its next owner",
@@ -509,6 +531,38 @@ class SubscriptionRuntime:
                 entry.held_bytes += size + overhead
             self._apply(entry, actions)
         self._after_change()
+
+    def take_fast(self, incoming: IncomingMessage) -> Message | None:
+        """Sequence mode's in-order fast path (docs/store.md): when ``incoming`` is exactly its key's
+        next position at this pod, the key's owner, and its key holds nothing else, it goes to the
+        engine without being stored, flagged ``volatile``, and is returned; the caller keeps its
+        Pub/Sub ack until ``on_volatile_settled``. None: store it as usual."""
+        self._require_recovered()
+        if incoming.sequence is None or incoming.replay_id or incoming.to_owner or self._stopping:
+            return None
+        entry = self._engines.for_key(incoming.key)
+        if entry is None or entry.draining:
+            return None
+        if self.lease_check is not None and self.lease_check(entry.shard) != entry.epoch:
+            return None
+        now_ms = self._clock()
+        message = dataclasses.replace(incoming.to_message(now_ms, ""), volatile=True)
+        if not entry.engine.fast_path(message):
+            return None
+        entry.volatile[id(message)] = message
+        self.counters.fast_path += 1
+        self._apply(entry, entry.engine.on_stored(message, now_ms))
+        self._after_change()
+        return message
+
+    def _settle(self, entry: ShardEngine, message: Message, safe: bool) -> None:
+        if entry.volatile.pop(id(message), None) is not None and self.on_volatile_settled is not None:
+            self.on_volatile_settled(message, safe)
+
+    def _settle_all(self, entry: ShardEngine) -> None:
+        """The shard's engine is gone: every fast-path message it held goes back to Pub/Sub."""
+        for message in list(entry.volatile.values()):
+            self._settle(entry, message, False)
 
     def owner_epoch(self, key: str) -> int | None:
         """The lease epoch under which this pod delivers ``key`` now; None when it does not (another
@@ -790,51 +844,86 @@ class SubscriptionRuntime:
                 self._timer_due_ms = None
 
     async def _ack_commit_loop(self) -> None:
-        while True:
-            await self._acks_wake.wait()
-            self._acks_wake.clear()
-            while self._acks_pending:
-                batch = self._take_ack_batch()
-                intents = [intent for pending in batch for intent in pending.intents]
-                lost: frozenset[int] = frozenset()
-                try:
-                    await self._retry_store(self._store.commit_acks, intents)
-                except ShardLost as exc:
-                    # Everything outside ``exc.shards`` is durable; acks inside are not, and never
-                    # will be by this pod: not confirmed, so the next owner delivers them again.
-                    lost = exc.shards
-                    self._shard_lost(exc)
-                except BaseException as exc:
-                    error = SubscriptionUnavailable(f"acks of {self.name!r} could not be made durable: {exc!r}")
-                    for pending in batch:
-                        if not pending.future.done():
-                            pending.future.set_exception(error)
-                    raise
-                self.counters.ack_commits += 1
-                now_ms = self._clock()
-                durable: dict[int, tuple[ShardEngine, list[str]]] = {}
-                for intent in intents:
-                    if lost and self._engines.route(intent.message.key) in lost:
-                        self.counters.acks_fenced += 1
-                        continue
-                    entry = self._engines.for_delivery(intent.delivery_id)
-                    if entry is not None:
-                        durable.setdefault(entry.shard, (entry, []))[1].append(intent.delivery_id)
-                for entry, ids in durable.values():
-                    self._apply(entry, entry.engine.ack_durable(ids, now_ms))
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.set_result(
-                            [
-                                intent.delivery_id
-                                for intent in pending.intents
-                                if not (lost and self._engines.route(intent.message.key) in lost)
-                            ]
-                        )
-                self._progress.set()
-                self._after_change()
-            self._acks_idle.set()
-            self._progress.set()
+        """Commits acks in batches (group commit). Acks of fast-path messages wait for their shards'
+        next checkpoint (up to an interval): they are made durable in a task of their own, so that
+        the batches behind them do not wait too."""
+        running: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+
+        def done(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # type: ignore[arg-type]
+            self._acks_wake.set()
+
+        try:
+            while True:
+                await self._acks_wake.wait()
+                self._acks_wake.clear()
+                if failures:
+                    raise failures[0]
+                while self._acks_pending:
+                    batch = _AckBatch(self._take_ack_batch())
+                    fast = [intent for intent in batch.intents if intent.message.volatile]
+                    stored = [intent for intent in batch.intents if not intent.message.volatile]
+                    batch.parts = bool(fast) + bool(stored)
+                    if fast:
+                        task = asyncio.create_task(self._commit_acks(batch, fast), name=f"fast-acks:{self.name}")
+                        running.add(task)
+                        task.add_done_callback(done)
+                    if stored:
+                        await self._commit_acks(batch, stored)
+                if not running and not self._acks_pending:
+                    self._acks_idle.set()
+                    self._progress.set()
+        finally:
+            for task in list(running):
+                task.cancel()
+
+    async def _commit_acks(self, batch: _AckBatch, intents: list[AckIntent]) -> None:
+        """Make ``intents`` (part of ``batch``) durable, tell the engines, settle fast-path messages;
+        the batch's tickets are answered once all its parts are done."""
+        lost: frozenset[int] = frozenset()
+        try:
+            await self._retry_store(self._store.commit_acks, intents)
+        except ShardLost as exc:
+            # Everything outside ``exc.shards`` is durable; acks inside are not, and never
+            # will be by this pod: not confirmed, so the next owner delivers them again.
+            lost = exc.shards
+            self._shard_lost(exc)
+        except BaseException as exc:
+            error = SubscriptionUnavailable(f"acks of {self.name!r} could not be made durable: {exc!r}")
+            for pending in batch.pending:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            raise
+        self.counters.ack_commits += 1
+        now_ms = self._clock()
+        durable: dict[int, tuple[ShardEngine, list[str]]] = {}
+        settled: list[tuple[ShardEngine, Message]] = []
+        for intent in intents:
+            if lost and self._engines.route(intent.message.key) in lost:
+                self.counters.acks_fenced += 1
+                batch.refused.add(intent.delivery_id)
+                continue
+            entry = self._engines.for_delivery(intent.delivery_id)
+            if entry is not None:
+                durable.setdefault(entry.shard, (entry, []))[1].append(intent.delivery_id)
+                if intent.message.volatile:
+                    settled.append((entry, intent.message))
+        for entry, ids in durable.values():
+            self._apply(entry, entry.engine.ack_durable(ids, now_ms))
+        for entry, message in settled:
+            self._settle(entry, message, True)  # its ack is durable: Pub/Sub may forget it
+        batch.parts -= 1
+        if batch.parts == 0:
+            for pending in batch.pending:
+                if not pending.future.done():
+                    pending.future.set_result(
+                        [intent.delivery_id for intent in pending.intents if intent.delivery_id not in batch.refused]
+                    )
+        self._progress.set()
+        self._after_change()
 
     def _take_ack_batch(self) -> list[_PendingAck]:
         batch: list[_PendingAck] = []
@@ -882,6 +971,8 @@ class SubscriptionRuntime:
             self._dead_letters_pending -= 1
         if self._current(entry):
             self._apply(entry, entry.engine.dead_letter_done(action.message, self._clock()))
+            if action.message.volatile:
+                self._settle(entry, action.message, True)  # the topic has it, and its record says so
         self._after_change()
 
     async def _finished_elsewhere(self, message: Message) -> bool:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sidecar.engine import Engine
-from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
+from sidecar.engine.types import Deliver, EngineStatus, KeyStatus, Message
 
 
 @dataclass(slots=True)
@@ -34,6 +34,8 @@ class ShardEngine:
     """Estimated memory of this shard's stored messages not yet handed out."""
     draining: bool = False
     """Being handed over: nothing new is handed out; in-flight acks still complete."""
+    volatile: dict[int, Message] = field(default_factory=dict)
+    """Fast-path messages of this shard not yet settled (by ``id``): Pub/Sub still holds each."""
 
 
 class ShardEngines:

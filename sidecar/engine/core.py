@@ -351,6 +351,25 @@ class Engine:
         policy.add_flagged(key, entry)
         return None, entry
 
+    def fast_path(self, message: Message) -> bool:
+        """True when ``message`` may skip the store (sequence mode's in-order fast path): it is the
+        first position its key is missing, so it joins the run of messages ready in order at once
+        (behind those in flight or ready, ahead of any held beyond a gap), and its key is neither
+        blocked, dead-lettering nor backing off. It then waits for nothing but the app: Pub/Sub can
+        keep it meanwhile. Pure query: the caller hands it to ``on_stored`` flagged ``volatile``."""
+        if self._seq is None or message.replay_id or message.sequence is None or message.volatile is False:
+            return False
+        key = self._keys.get(message.key) or self._key(message.key)  # an idle key is rebuilt from its cursor
+        return (
+            key.cursor is not None
+            and message.sequence == key.run_end
+            and message.sequence not in key.index
+            and not key.blocked
+            and not key.dead_lettering
+            and key.backoff_until is None
+            and not self._seq.replays
+        )
+
     def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
         """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within
         ``max_in_flight_per_key``, round-robin over ready keys, never a key another consumer has
@@ -440,22 +459,34 @@ class Engine:
         entry.state = ACKING
         del self._consumers[consumer][delivery_id]
         self._timers.mark_stale()
+        # The app acked: its slot is free at once (G2 asks only for the app's ack), so the key's next
+        # message need not wait for the ack to become durable (a coalesced cursor may take a second).
+        self._n_out -= 1
         key = entry.key
         cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
+        if key is not None:
+            key.n_out -= 1
+            if key.n_out == 0:
+                key.consumer = None
+            self._refresh(key, now_ms)
         return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed)
 
     def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
         """The store made these acks durable: cursors advance, slots free up. Ids that are not
         acking (unknown, or already durable) are ignored, so a repeated call is harmless."""
         deliveries = self._deliveries
+        actions: list[Action] = []
         for delivery_id in delivery_ids:
             entry = deliveries.get(delivery_id)
             if entry is None or entry.state != ACKING:
                 continue
             del deliveries[delivery_id]
             self._acked += 1
-            self._finish(entry, now_ms, occupied=True)
-        return []
+            self._finish(entry, now_ms, occupied=False)  # its slot was freed by ``ack``
+            if entry.twin is not None:
+                # The stored copy of a fast-path message: its ack is durable now, so its record may go.
+                actions.append(DropDuplicate(entry.twin, "stored copy of an acked message", finish_record=True))
+        return actions
 
     def nack(
         self,

@@ -72,6 +72,10 @@ class SequencePolicy:
             raise ValueError(f"key {cursor.key!r}: a watermark cursor (last_position) in a sequence-mode snapshot")
         if cursor.next_sequence is not None:
             key.cursor = key.next_out = key.run_end = key.known_from = int(cursor.next_sequence)
+            if cursor.known_from is not None and cursor.known_from < key.cursor:
+                # The store knows what became of every sequence from there: finished, or skipped.
+                key.known_from = int(cursor.known_from)
+                key.skipped = [[first, last] for first, last in cursor.skipped if last >= key.known_from]
         key.blocked = cursor.blocked
         if cursor.blocked:
             # Stopped at its cursor unless the store knows the exact sequence (an earlier message
@@ -153,6 +157,10 @@ class SequencePolicy:
             if held.n == 0:  # a restored placeholder: acked before the restart
                 return DropDuplicate(message, "duplicate of an acked message", finish_record=True), None
             if held.message.fingerprint == message.fingerprint:
+                if held.message.volatile and not message.volatile and held.twin is None:
+                    # A stored copy of a fast-path message: its record is the only durable one until
+                    # the held message's ack is durable, so it stays pending until then (``twin``).
+                    held.twin = message
                 return DropDuplicate(message, "duplicate of a message the engine holds"), None
             return DeadLetter(message, "conflict", 0), None
         if key.cursor is None:

@@ -14,7 +14,8 @@ Key invariants (checked by the property tests):
 - ``KeyState.out`` holds the in-order entries handed out and not yet retired, sorted by position;
   the key's cursor only moves over a prefix of it whose entries are all DONE, so a cursor never
   passes a message that is still in flight, acking or dead-lettering.
-- ``n_out`` counts entries in OUT, ACKING or DEAD of the key (late ones too): the in-flight slots.
+- ``n_out`` counts entries in OUT or DEAD of the key (late ones too): the in-flight slots. An ACKING
+  entry (the app acked, not yet durable) holds no slot: G2 waits for the app's ack only.
 - ``consumer`` is set exactly while ``n_out > 0``: the key's affinity to one stream.
 """
 
@@ -57,6 +58,7 @@ class Entry:
         "resumed",
         "skipped",
         "state",
+        "twin",
     )
 
     def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
@@ -78,6 +80,9 @@ class Entry:
         self.resumed = False
         """sequence: a replay that took the place of the dead letter its key was blocked at. In order
         (in ``out``, moves the cursor), but waits in the late queue: the run may have moved past it."""
+        self.twin: Message | None = None
+        """A fast-path message (``volatile``) that a stored copy of itself reached meanwhile: that
+        copy's record stays pending until this one's ack is durable, then is finished as dropped."""
 
 
 class KeyState:

@@ -53,6 +53,10 @@ class Message:
     """Set on an operator's replay of a dead letter (``pubsub-sidecar dead-letters replay``): the
     replay's own identity. It keeps its original's key, position and dedup id, but it is a record
     of its own: not a duplicate of its original, while two copies of one replay are duplicates."""
+    volatile: bool = False
+    """Not stored: taken by the in-order fast path (``Engine.fast_path``). Pub/Sub keeps it (its ack
+    is held) until its app ack is durable in the key's cursor; a crash before that loses nothing,
+    since Pub/Sub delivers it again. Its finishes write no tombstone except a dead letter's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +233,14 @@ class KeyCursor:
     blocked_position: int | tuple[int, str] | None = None
     """The position of the dead letter the key is blocked at, when ``blocked`` and known: a replay
     of that very message lifts the block (None: sequence mode reads the cursor instead)."""
+    known_from: int | None = field(default=None, compare=False)
+    """Not part of equality (nor ``skipped``): what the store knows below the cursor, not where it is.
+    sequence mode: every sequence from here up to ``next_sequence`` is finished (acked or
+    dead-lettered) unless it lies in ``skipped`` (passed by a gap timeout). A copy there is then a
+    duplicate, or late when skipped. None: the store knows nothing below ``next_sequence`` (a copy
+    below it is dead-lettered as ``below_cursor``)."""
+    skipped: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    """sequence mode: ranges (first, last) below ``next_sequence`` a gap timeout skipped."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,13 +48,13 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.engine.types import AckIntent, DeadLetterPolicy, KeyCursor, Message, Mode
 from sidecar.shards import shard_of
-from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument, check_version
+from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument, check_version, value_size
 
 Position = tuple[int, str]
 Cursor = int | Position
@@ -76,10 +76,25 @@ class KeyState:
     written_ms: int | None = None
     """When this process last wrote the key's cursor document (None: not since start)."""
     dirty_since_ms: int | None = None
-    """Oldest durable change not yet in the cursor document (None: the document is current)."""
+    """Oldest durable change not yet written to a cursor record (None: its record is current)."""
+    known_from: int | None = None
+    """sequence mode: every sequence from here to ``next_sequence`` is finished unless in ``skips``."""
+    skips: list[list[int]] = field(default_factory=list)
+    """sequence mode: ranges [first, last] below ``next_sequence`` the cursor passed unfinished (a gap
+    timeout skipped them), at most ``MAX_SKIPS``; the oldest are forgotten by raising ``known_from``."""
+    in_overlay: bool = False
+    """The key's latest written state is in its shard's checkpoint (``cursors``), not (only) in its
+    own cursor document, which may be older or missing: recovery takes the checkpoint's."""
+    changed_ms: int = 0
+    """When the state last changed (which keys move from the checkpoint to their own documents first)."""
 
     def copy(self) -> KeyState:
-        return dataclasses.replace(self, done_above=set(self.done_above), unblocked=set(self.unblocked))
+        return dataclasses.replace(
+            self,
+            done_above=set(self.done_above),
+            unblocked=set(self.unblocked),
+            skips=[list(bounds) for bounds in self.skips],
+        )
 
 
 def _max(current: Any, new: Any) -> Any:
@@ -114,16 +129,58 @@ class CursorRules:
         return shard_of(key, self.shards)
 
     def new_state(self, key: str) -> KeyState:
-        return KeyState(key, next_sequence=self.sequence_start if self.mode == "sequence" else None)
+        start = self.sequence_start if self.mode == "sequence" else None
+        return KeyState(key, next_sequence=start, known_from=start)
+
+
+MAX_SKIPS = 64
+"""Skipped ranges kept per key (the engine keeps as many)."""
+
+
+def _record_skips(state: KeyState, before: int, after: int, position: int | None) -> None:
+    """The cursor moved from ``before`` to ``after``: what it passed unfinished (neither ``position``
+    nor a finished sequence above the old cursor) was skipped by a gap timeout."""
+    finished = {seq for seq in state.done_above if before <= seq < after}
+    if position is not None:
+        finished.add(position)
+    start = before
+    for seq in [*sorted(finished), after]:
+        if seq < start:
+            continue
+        if seq > start:
+            if state.skips and state.skips[-1][1] == start - 1:
+                state.skips[-1][1] = seq - 1
+            else:
+                state.skips.append([start, seq - 1])
+        start = seq + 1
+    while len(state.skips) > MAX_SKIPS:
+        _, last = state.skips.pop(0)
+        state.known_from = max(state.known_from or 0, last + 1)
+
+
+def _unskip(state: KeyState, seq: int) -> None:
+    """``seq`` finished after all (a late message acked or dead-lettered): no longer skipped."""
+    for i, (first, last) in enumerate(state.skips):
+        if first <= seq <= last:
+            parts = [[first, seq - 1], [seq + 1, last]]
+            state.skips[i : i + 1] = [part for part in parts if part[0] <= part[1]]
+            return
 
 
 def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None) -> None:
     """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``."""
     if mode == "sequence":
+        before = state.next_sequence
         if isinstance(cursor, int):
             state.next_sequence = _max(state.next_sequence, cursor)
+        if before is None and state.next_sequence is not None and state.known_from is None:
+            state.known_from = position if isinstance(position, int) else state.next_sequence  # adopted
+        if before is not None and state.next_sequence is not None and state.next_sequence > before:
+            _record_skips(state, before, state.next_sequence, position if isinstance(position, int) else None)
         if isinstance(position, int) and state.next_sequence is not None and position >= state.next_sequence:
             state.done_above.add(position)
+        elif isinstance(position, int):
+            _unskip(state, position)  # acked after all: never skipped (a late copy, or folded out of order)
         _walk(state)
     elif mode == "watermark" and isinstance(cursor, tuple):
         state.last_position = _max(state.last_position, (int(cursor[0]), str(cursor[1])))
@@ -150,6 +207,8 @@ def fold_dead_letter(
             if state.next_sequence is not None and position >= state.next_sequence:
                 state.done_above.add(position)
                 _walk(state)
+            else:
+                _unskip(state, position)  # a late message, finished: a copy of it is a duplicate now
         return
     if mode == "sequence" and isinstance(position, int) and state.next_sequence is None:
         state.next_sequence = position  # an adopted key (``first_sequence: any``) stopped at its first message
@@ -202,8 +261,23 @@ def position_of(message: Message) -> int | Position | None:
     return None
 
 
+OVERLAY_MAX_BYTES = 256 * 1024
+"""Budget of a checkpoint's ``cursors`` map; past it, the keys changed longest ago move to their own
+cursor documents (one write each), so the checkpoint stays far under Firestore's 1 MiB."""
+
+OVERLAY_HARD_BYTES = 800 * 1024
+"""Never more in one checkpoint: keys with a change that would not fit wait for the next one."""
+
+
 class CursorBook:
-    """The durable per-key cursors of one subscription, and which of them still need writing."""
+    """The durable per-key cursors of one subscription, and which of them still need writing.
+
+    A key's cursor is written into its shard's checkpoint document (``cursors``, a map by key
+    document id: the *overlay*), rewritten whole at most once per ``interval_ms``: one write carries
+    every key of the shard that changed, however many keys there are. Only when the overlay outgrows
+    ``OVERLAY_MAX_BYTES`` do the keys changed longest ago move to their own cursor documents
+    (``plan_checkpoint``), in the same Commit that drops them from the overlay.
+    """
 
     def __init__(self, rules: CursorRules, interval_ms: int) -> None:
         self.rules = rules
@@ -211,7 +285,17 @@ class CursorBook:
         self.policy = rules.on_dead_letter
         self.interval_ms = interval_ms
         self.states: dict[str, KeyState] = {}
-        self._dirty: set[str] = set()
+        self._dirty: dict[int, set[str]] = {}
+        """Per shard: keys with a change not yet in a cursor record."""
+        self._overlay: dict[int, set[str]] = {}
+        """Per shard: keys whose latest written state is in the shard's checkpoint."""
+        self._shards: dict[str, int] = {}
+
+    def shard(self, key: str) -> int:
+        shard = self._shards.get(key)
+        if shard is None:
+            shard = self._shards[key] = self.rules.shard(key)
+        return shard
 
     def _copy(self, key: str, proposed: dict[str, KeyState]) -> KeyState:
         state = proposed.get(key)
@@ -250,65 +334,135 @@ class CursorBook:
 
     @staticmethod
     def _touch(state: KeyState, before: dict[str, Any], now_ms: int) -> None:
-        if state.dirty_since_ms is None and cursor_fields(state) != before:
-            state.dirty_since_ms = now_ms
+        if cursor_fields(state) != before:
+            state.changed_ms = now_ms
+            if state.dirty_since_ms is None:
+                state.dirty_since_ms = now_ms
 
-    def due(
-        self, now_ms: int, proposed: dict[str, KeyState], limit: int, shards: Iterable[int] | None = None
-    ) -> list[KeyState]:
-        """Dirty states (proposed first, then the book's) whose document may be written now; only
-        those of ``shards`` when given."""
-        candidates = dict(proposed)
-        for key in self._dirty:
-            candidates.setdefault(key, self.states[key])
-        wanted = None if shards is None else set(shards)
-        due = [
-            state
-            for state in candidates.values()
-            if state.dirty_since_ms is not None
-            and (state.written_ms is None or now_ms - state.written_ms >= self.interval_ms)
-            and (wanted is None or self.rules.shard(state.key) in wanted)
-        ]
-        return due[:limit]
+    def dirty_shards(self, proposed: dict[str, KeyState] | None = None) -> set[int]:
+        """Shards with a change not yet in a cursor record (``proposed`` included)."""
+        shards = {shard for shard, keys in self._dirty.items() if keys}
+        for key, state in (proposed or {}).items():
+            if state.dirty_since_ms is not None:
+                shards.add(self.shard(key))
+        return shards
 
-    def accept(self, proposed: dict[str, KeyState], written: Iterable[KeyState], now_ms: int) -> None:
-        """After a successful Commit: keep ``proposed``, and mark ``written`` documents current."""
+    def plan_checkpoint(
+        self, shard: int, proposed: dict[str, KeyState], room: int, now_ms: int
+    ) -> tuple[list[KeyState], list[KeyState], int | None]:
+        """What a checkpoint of ``shard`` written now holds: (overlay states, states to write to
+        their own cursor documents in the same Commit (at most ``room``), the oldest change left
+        for a later checkpoint (None: every change of the shard is in this one)).
+
+        Every key already in the overlay stays in it unless it moves to its own document: dropping
+        it would let recovery fall back to an older document."""
+        keys = set(self._overlay.get(shard, ())) | self._dirty.get(shard, set())
+        keys |= {k for k, st in proposed.items() if st.dirty_since_ms is not None and self.shard(k) == shard}
+        states = [proposed.get(key) or self.states[key] for key in keys]
+        sizes = {state.key: overlay_entry_size(state) for state in states}
+        total = sum(sizes.values())
+        spill: list[KeyState] = []
+        if total > OVERLAY_MAX_BYTES and room > 0:
+            oldest_first = sorted(states, key=lambda st: (st.changed_ms, st.key))
+            for state in oldest_first:
+                if total <= OVERLAY_MAX_BYTES or len(spill) >= room:
+                    break
+                if state.written_ms is not None and now_ms - state.written_ms < self.interval_ms:
+                    continue  # its document was written less than an interval ago (about 1 write/s per document)
+                spill.append(state)
+                total -= sizes[state.key]
+        moved = {state.key for state in spill}
+        kept = [state for state in states if state.key not in moved]
+        left: int | None = None
+        if total > OVERLAY_HARD_BYTES:
+            # Only changes not yet in the overlay may wait; the newest wait first.
+            for state in sorted(kept, key=lambda st: st.changed_ms, reverse=True):
+                if total <= OVERLAY_HARD_BYTES:
+                    break
+                if not state.in_overlay and state.dirty_since_ms is not None:
+                    kept.remove(state)
+                    total -= sizes[state.key]
+                    left = state.dirty_since_ms if left is None else min(left, state.dirty_since_ms)
+        return sorted(kept, key=lambda st: st.key), spill, left
+
+    def accept(
+        self,
+        proposed: dict[str, KeyState],
+        now_ms: int,
+        *,
+        documents: Iterable[KeyState] = (),
+        overlays: Mapping[int, Iterable[KeyState]] | None = None,
+    ) -> None:
+        """After a successful Commit: keep ``proposed``; ``documents`` were written to their own
+        cursor documents, ``overlays`` (per shard) into the checkpoint written in that Commit."""
         self.states.update(proposed)
-        self._dirty.update(key for key, state in proposed.items() if state.dirty_since_ms is not None)
-        for state in written:
+        for key, state in proposed.items():
+            if state.dirty_since_ms is not None:
+                self._dirty.setdefault(self.shard(key), set()).add(key)
+        for state in documents:
             kept = self.states.setdefault(state.key, state)
             kept.written_ms = now_ms
             kept.dirty_since_ms = None
-            self._dirty.discard(state.key)
+            kept.in_overlay = False
+            shard = self.shard(state.key)
+            self._dirty.get(shard, set()).discard(state.key)
+            self._overlay.get(shard, set()).discard(state.key)
+        for shard, states in (overlays or {}).items():
+            dirty = self._dirty.get(shard, set())
+            overlay = self._overlay.setdefault(shard, set())
+            for state in states:
+                kept = self.states.setdefault(state.key, state)
+                kept.dirty_since_ms = None
+                kept.in_overlay = True
+                dirty.discard(state.key)
+                overlay.add(state.key)
 
     def restore(self, states: dict[str, KeyState], dirty_since_ms: int, shards: Iterable[int] | None = None) -> None:
         """Replace the book (or, with ``shards``, those shards' part of it) with recovered states;
-        keys whose document lagged are dirty."""
+        keys whose record lagged are dirty."""
         if shards is None:
-            self.states, self._dirty = {}, set()
+            self.states, self._dirty, self._overlay = {}, {}, {}
         else:
             self.release(shards)
         self.states.update(states)
         for key, state in states.items():
+            shard = self.shard(key)
+            if state.in_overlay:
+                self._overlay.setdefault(shard, set()).add(key)
             if state.dirty_since_ms is not None:
                 state.dirty_since_ms = dirty_since_ms
-                self._dirty.add(key)
+                self._dirty.setdefault(shard, set()).add(key)
 
     def release(self, shards: Iterable[int]) -> None:
         """Forget the states and unwritten changes of ``shards``' keys (another owner has them)."""
         lost = set(shards)
-        for key in [key for key in self.states if self.rules.shard(key) in lost]:
+        for key in [key for key in self.states if self.shard(key) in lost]:
             del self.states[key]
-            self._dirty.discard(key)
+            self._shards.pop(key, None)
+        for shard in lost:
+            self._dirty.pop(shard, None)
+            self._overlay.pop(shard, None)
 
     def dirty_states(self, proposed: dict[str, KeyState]) -> list[KeyState]:
         """Every state with an unwritten change, ``proposed`` taking precedence over the book."""
-        merged = {key: self.states[key] for key in self._dirty}
+        merged = {key: self.states[key] for keys in self._dirty.values() for key in keys}
         merged.update(proposed)
         return [state for state in merged.values() if state.dirty_since_ms is not None]
 
     def has_dirty(self) -> bool:
-        return bool(self._dirty)
+        return any(self._dirty.values())
+
+
+def overlay_fields(state: KeyState) -> dict[str, Any]:
+    """A key's entry in its shard checkpoint's ``cursors`` map: its cursor fields without ``v``."""
+    fields = cursor_fields(state)
+    del fields["v"]
+    return fields
+
+
+def overlay_entry_size(state: KeyState) -> int:
+    """Storage size of the key's entry in the ``cursors`` map (name + value, Firestore's formula)."""
+    return 41 + value_size(overlay_fields(state))
 
 
 def cursor_fields(state: KeyState) -> dict[str, Any]:
@@ -316,6 +470,10 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
     fields: dict[str, Any] = {"key": state.key, "v": LAYOUT_VERSION}
     if state.next_sequence is not None:
         fields["next_seq"] = state.next_sequence
+    if state.known_from is not None and state.next_sequence is not None and state.known_from < state.next_sequence:
+        fields["known"] = state.known_from
+        if state.skips:
+            fields["skips"] = [seq for bounds in state.skips for seq in bounds]
     if state.done_above:
         fields["above_seq"] = sorted(state.done_above)
     if state.last_position is not None:
@@ -334,9 +492,10 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
     return fields
 
 
-def state_from_cursor_doc(doc_id: str, fields: dict[str, Any]) -> KeyState:
-    """Decode a cursor document; raises CorruptDocument naming it when it is not one of ours."""
-    what = f"cursor document keys/{doc_id}"
+def state_from_cursor_doc(doc_id: str, fields: dict[str, Any], what: str = "") -> KeyState:
+    """Decode a cursor document (or, ``what`` naming it, a checkpoint's overlay entry); raises
+    CorruptDocument naming it when it is not one of ours."""
+    what = what or f"cursor document keys/{doc_id}"
     check_version(what, fields)
     try:
         key = fields["key"]
@@ -346,6 +505,12 @@ def state_from_cursor_doc(doc_id: str, fields: dict[str, Any]) -> KeyState:
         if fields.get("next_seq") is not None:
             state.next_sequence = _int(fields["next_seq"])
         state.done_above = {_int(seq) for seq in fields.get("above_seq") or []}
+        if fields.get("known") is not None:
+            state.known_from = _int(fields["known"])
+        flat = [_int(seq) for seq in fields.get("skips") or []]
+        if len(flat) % 2:
+            raise ValueError(f"skips has an odd number of bounds ({len(flat)})")
+        state.skips = [[flat[i], flat[i + 1]] for i in range(0, len(flat), 2)]
         if fields.get("pos_ts") is not None:
             state.last_position = (_int(fields["pos_ts"]), str(fields["pos_id"]))
         if fields.get("blk_seq") is not None:
@@ -379,6 +544,8 @@ def key_cursor(state: KeyState, mode: Mode) -> KeyCursor | None:
             blocked=blocked,
             acked_above=tuple(sorted(state.done_above)),
             blocked_position=blocked_position,
+            known_from=state.known_from,
+            skipped=tuple((first, last) for first, last in state.skips),
         )
     if mode == "watermark" and (state.last_position is not None or blocked):
         return KeyCursor(

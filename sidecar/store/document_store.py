@@ -40,6 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
@@ -141,7 +142,10 @@ class DocumentStore:
     async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
         sub = self._sub(subscription)
         items = []
+        volatile = [ack for ack in acks if ack.message.volatile and not ack.aside]
         for ack in acks:
+            if ack.message.volatile and not ack.aside:
+                continue
             target = layout.doc_id_of(ack.message)
             if target is None:
                 raise StoreRejected(f"commit_acks: message {ack.message.dedup_id!r} was never stored (no ref)")
@@ -149,7 +153,42 @@ class DocumentStore:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, None, aside=True))
             else:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
-        await self._finish(sub, items, now_ms, "commit_acks")
+        lost: frozenset[int] = frozenset()
+        try:
+            await self._finish(sub, items, now_ms, "commit_acks")
+        except ShardLost as exc:
+            lost = exc.shards
+        if volatile:
+            lost |= await self._volatile_acks(sub, volatile, now_ms)
+        if lost:
+            raise ShardLost(sub.name, lost)
+
+    async def _volatile_acks(self, sub: Subscription, acks: list[AckIntent], now_ms: int) -> frozenset[int]:
+        """Acks of fast-path messages (no document): folded into their keys' cursors, durable with
+        their shards' next checkpoints (coalesced: at most one per shard per interval), which this
+        waits for. Returns the shards lost meanwhile (their acks are not durable)."""
+        async with sub.lock:
+            lost: set[int] = set()
+            if self._writer.fences is not None:
+                self._writer.acquire(sub, {sub.shard(ack.message.key) for ack in acks}, lost)
+            if lost:
+                sub.forget(lost)
+            mine = [ack for ack in acks if sub.shard(ack.message.key) not in lost]
+            proposed = sub.book.propose(mine, [], now_ms)
+            sub.book.accept(proposed, now_ms)
+            loop = asyncio.get_running_loop()
+            waits = []
+            for shard in sorted(sub.book.dirty_shards() & {sub.shard(ack.message.key) for ack in mine}):
+                waiter: asyncio.Future[None] = loop.create_future()
+                sub.waiters.setdefault(shard, []).append(waiter)
+                waits.append(waiter)
+        self._maybe_wake_flusher(sub)
+        for result in await asyncio.gather(*waits, return_exceptions=True):
+            if isinstance(result, ShardLost):
+                lost |= result.shards
+            elif isinstance(result, BaseException):
+                raise result
+        return frozenset(lost)
 
     async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
         if state not in layout.FINISH_STATES:
@@ -158,7 +197,11 @@ class DocumentStore:
         items = []
         for message in messages:
             # A CONFLICT's copy has no ref: its document holds the other payload, which stays pending.
+            # A fast-path message has none either, but its finish is recorded where its document
+            # would be (a dead letter's record must outlive the restart that forgets the message).
             target = layout.doc_id_of(message)
+            if target is None and message.volatile:
+                target = (layout.message_doc_id(message.key, message.dedup_id, message.sequence, message.replay_id), 0)
             if target is None:
                 continue
             dead = state in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position_of(message) is not None
@@ -198,18 +241,27 @@ class DocumentStore:
         return position
 
     def _maybe_wake_flusher(self, sub: Subscription) -> None:
-        if not self._background_flush or not (sub.book.has_dirty() or sub.stale):
+        if not self._background_flush or not (sub.book.has_dirty() or sub.stale or any(sub.waiters.values())):
             return
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="store-cursor-flush")
         self._flush_wake.set()
 
     async def _flush_loop(self) -> None:
-        """Writes cursors left dirty (their key was written < interval ago) once they are due."""
+        """Writes the checkpoints (and cursors) left lagging, each as soon as it is due."""
+        failed = False
         while True:
             await self._flush_wake.wait()
             self._flush_wake.clear()
-            await asyncio.sleep(self._interval_ms / 1000)
+            # Acks waiting for a checkpoint: until the first is due (each shard's at most once per
+            # interval). Otherwise an interval: cursors of stored messages are already durable.
+            now_ms = self._clock_ms()
+            due = [self._writer.next_due_ms(sub, now_ms) for sub in self._subscriptions.values()]
+            first = min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms)
+            if failed:
+                first = max(first, now_ms + self._interval_ms)  # the store failed: not a tight loop
+            failed = False
+            await asyncio.sleep(max(0, first - now_ms) / 1000)
             for sub in self._subscriptions.values():
                 try:
                     await self.flush(sub.name)
@@ -218,6 +270,7 @@ class DocumentStore:
                     _LOGGER.warning("store: cursor flush of %s: %s; their cursor updates are dropped", sub.name, exc)
                 except StoreError as exc:
                     _LOGGER.warning("store: cursor flush of %s failed, will retry: %s", sub.name, exc)
+                    failed = True
                     self._flush_wake.set()
                     continue
                 self._maybe_wake_flusher(sub)
@@ -233,11 +286,15 @@ class DocumentStore:
 
     # ---- load -----------------------------------------------------------------------------------
 
-    async def _checkpoints(self, sub: Subscription, shards: frozenset[int], now_ms: int) -> dict[int, int | None]:
-        """Check the subscription document (create it on first use); the checkpoints of ``shards``."""
+    async def _checkpoints(
+        self, sub: Subscription, shards: frozenset[int], now_ms: int
+    ) -> tuple[dict[int, int | None], list[tuple[str, dict[str, Any]]]]:
+        """Check the subscription document (create it on first use); the checkpoints of ``shards``
+        (``clean_ms`` per shard) and the cursors their overlays hold (key document id, fields)."""
         paths = {shard: layout.checkpoint_path(sub.path, shard) for shard in sorted(shards)}
         found = await self._documents.get_all([sub.path, *paths.values()])
         fields = found.get(sub.path)
+        overlays = [entry for path in paths.values() for entry in recovery.overlay_of(path, found.get(path))]
         if fields is None:
             created = {"name": sub.name, "mode": sub.config.mode, "created_ms": now_ms, "v": layout.LAYOUT_VERSION}
             try:
@@ -246,9 +303,9 @@ class DocumentStore:
                 return await self._checkpoints(sub, shards, now_ms)  # another process created it meanwhile
             # A new subscription: nothing of it exists, every shard is clean now.
             stored = {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}
-            return {shard: now_ms if clean is None else clean for shard, clean in stored.items()}
+            return {shard: now_ms if clean is None else clean for shard, clean in stored.items()}, overlays
         recovery.check_subscription(sub.name, sub.config.mode, sub.path, fields)
-        return {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}
+        return {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}, overlays
 
     async def load(
         self,
@@ -273,14 +330,22 @@ class DocumentStore:
             wanted = frozenset(range(sub.config.shards)) if shards is None else shards
             reader = self._reader
             try:
-                checkpoints = await self._checkpoints(sub, wanted, now_ms)
+                checkpoints, overlays = await self._checkpoints(sub, wanted, now_ms)
                 since = recovery.since_ms(checkpoints.values())
                 cursor_docs = await reader.query_shards(sub.path, "keys", shards, count)
-                recent_docs = await reader.query_all(
-                    sub.path, "messages", docs.Filter("done_ms", "GREATER_THAN_OR_EQUAL", since), "done_ms", count
-                )
+                recent_docs = []
+                for shard in sorted(wanted):
+                    # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
+                    low, high = layout.done_at_range(shard, since)
+                    where = [
+                        docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low),
+                        docs.Filter(layout.DONE_AT, "LESS_THAN", high),
+                    ]
+                    recent_docs += await reader.query_all(sub.path, "messages", where, layout.DONE_AT, count)
                 pending = await reader.load_pending(sub.path, max_payload_bytes, count, shards)
-                recovered = recovery.recover(rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards)
+                recovered = recovery.recover(
+                    rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards, overlays=overlays
+                )
             except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
                 raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
             sub.forget(wanted)

@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 from sidecar.store.api import StoreError, StoreRejected, StoreUnavailable
 
 Fields = dict[str, Any]
-Operator = Literal["EQUAL", "GREATER_THAN_OR_EQUAL"]
+Operator = Literal["EQUAL", "GREATER_THAN_OR_EQUAL", "LESS_THAN"]
 
 OK = 0
 ALREADY_EXISTS = 6

@@ -43,12 +43,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar.engine.types import AckIntent, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout
 from sidecar.store.api import DEAD_LETTERED, ShardLost, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, KeyState, cursor_fields
+from sidecar.store.cursors import CursorBook, KeyState, cursor_fields, overlay_fields
 
 _SHARDS_PER_FLUSH_COMMIT = 100
 """Shards per flush Commit: leaves most of its 500 writes for cursor documents, and bounds the
@@ -74,9 +75,12 @@ class Subscription:
     checkpoint_written_ms: dict[int, int] = field(default_factory=dict)
     stale: set[int] = field(default_factory=set)
     """Shards whose checkpoint lags behind their cursors (the flush writes it)."""
+    waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
+    """Per shard: acks of fast-path messages waiting for the shard's next checkpoint, which makes
+    them durable (``DocumentStore.commit_acks``). Resolved by that Commit; failed with ShardLost."""
 
     def shard(self, key: str) -> int:
-        return self.book.rules.shard(key)
+        return self.book.shard(key)
 
     def forget(self, shards: Iterable[int]) -> None:
         """The pod lost ``shards``: drop their cursor state and checkpoint bookkeeping."""
@@ -85,7 +89,20 @@ class Subscription:
         for shard in lost:
             self.checkpoint_ms.pop(shard, None)
             self.checkpoint_written_ms.pop(shard, None)
+            for waiter in self.waiters.pop(shard, []):
+                if not waiter.done():
+                    waiter.set_exception(ShardLost(self.name, [shard]))
         self.stale -= lost
+
+    def checkpointed(self, shard: int, clean_ms: int, now_ms: int) -> None:
+        """The shard's checkpoint was written: ``clean_ms`` holds; the acks waiting for it are durable
+        when it left nothing out."""
+        self.checkpoint_ms[shard], self.checkpoint_written_ms[shard] = clean_ms, now_ms
+        if clean_ms == now_ms:
+            self.stale.discard(shard)
+            for waiter in self.waiters.pop(shard, []):
+                if not waiter.done():
+                    waiter.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +128,7 @@ class ShardWriter:
         self, documents: docs.Documents, fences: FenceSource | None, interval_ms: int, per_commit: int
     ) -> None:
         self._documents = documents
-        self._fences = fences
+        self.fences = fences
         self._interval_ms = interval_ms
         self._per_commit = per_commit
 
@@ -139,7 +156,7 @@ class ShardWriter:
 
     async def flush(self, sub: Subscription, now_ms: int) -> set[int]:
         """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost."""
-        shards = sorted({sub.shard(state.key) for state in sub.book.dirty_states({})} | sub.stale)
+        shards = sorted(sub.book.dirty_shards() | sub.stale)
         lost: set[int] = set()
         for start in range(0, len(shards), _SHARDS_PER_FLUSH_COMMIT):
             await self._commit(sub, [], set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT]), now_ms, lost)
@@ -150,13 +167,21 @@ class ShardWriter:
         shards lost (the key's, when its fence failed: nothing written)."""
         shard = sub.shard(state.key)
         lost: set[int] = set()
-        fences = self._acquire(sub, {shard}, lost)
+        fences = self.acquire(sub, {shard}, lost)
         if lost:
             sub.forget(lost)
             return lost
-        write = _cursor_write(sub, state, shard, now_ms)
-        if await self._send(sub, [write], fences, lost):
-            sub.book.accept({state.key: state}, [state], now_ms)
+        # Into the shard's checkpoint at once (with every other change of the shard), whatever the
+        # coalescing interval: the operator's answer waits for it.
+        state.changed_ms = now_ms
+        state.dirty_since_ms = state.dirty_since_ms or now_ms
+        proposed = {state.key: state}
+        kept, spill, left = sub.book.plan_checkpoint(shard, proposed, docs.MAX_WRITES - 1, now_ms)
+        writes = [_cursor_write(sub, moved, shard, now_ms) for moved in spill]
+        writes.append(_checkpoint_write(sub, shard, now_ms if left is None else left, kept))
+        if await self._send(sub, writes, fences, lost):
+            sub.book.accept(proposed, now_ms, documents=spill, overlays={shard: kept})
+            sub.checkpointed(shard, now_ms if left is None else left, now_ms)
         return lost
 
     # ---- internals ------------------------------------------------------------------------------
@@ -171,7 +196,7 @@ class ShardWriter:
             items = [item for item in items if sub.shard(item.message.key) not in lost]
             if not shards:
                 return
-            fences = self._acquire(sub, shards, lost)
+            fences = self.acquire(sub, shards, lost)
             if lost & shards:
                 sub.forget(lost)
                 continue
@@ -193,53 +218,58 @@ class ShardWriter:
             dead = [i.dead_letter for i in items if i.dead_letter is not None and i.state == DEAD_LETTERED]
             aside = [i.dead_letter for i in items if i.dead_letter is not None and i.state != DEAD_LETTERED]
             proposed = sub.book.propose(acks, dead, now_ms, aside)
-            due = sub.book.due(now_ms, proposed, docs.MAX_WRITES - len(writes) - len(shards), shards)
-            writes += [_cursor_write(sub, state, sub.shard(state.key), now_ms) for state in due]
-            checkpoints = self._checkpoints(sub, shards, proposed, due, now_ms)
-            writes += [
-                docs.replace(layout.checkpoint_path(sub.path, shard), _checkpoint_fields(shard, clean))
-                for shard, clean in checkpoints.items()
-            ]
+            room = docs.MAX_WRITES - len(writes) - len(shards)
+            spilled: list[KeyState] = []
+            overlays: dict[int, list[KeyState]] = {}
+            cleans: dict[int, int] = {}
+            for shard in self._due_checkpoints(sub, shards, proposed, now_ms):
+                kept, spill, left = sub.book.plan_checkpoint(shard, proposed, room, now_ms)
+                room -= len(spill)
+                writes += [_cursor_write(sub, state, shard, now_ms) for state in spill]
+                cleans[shard] = now_ms if left is None else left
+                writes.append(_checkpoint_write(sub, shard, cleans[shard], kept))
+                spilled += spill
+                overlays[shard] = kept
             if not writes:
                 return
             if not await self._send(sub, writes, fences, lost):
                 continue
-            sub.book.accept(proposed, due, now_ms)
-            for shard, clean in checkpoints.items():
-                sub.checkpoint_ms[shard], sub.checkpoint_written_ms[shard] = clean, now_ms
-                sub.stale.discard(shard)
+            sub.book.accept(proposed, now_ms, documents=spilled, overlays=overlays)
+            for shard, clean in cleans.items():
+                sub.checkpointed(shard, clean, now_ms)
             return
 
-    def _checkpoints(
-        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], due: list[KeyState], now_ms: int
-    ) -> dict[int, int]:
-        """The checkpoints of ``shards`` to write with this Commit (each at most once per interval);
-        the others that lag are marked stale."""
-        written = {state.key for state in due}
-        clean = dict.fromkeys(shards, now_ms)
-        for state in sub.book.dirty_states(proposed):
-            shard = sub.shard(state.key)
-            if shard in clean and state.key not in written and state.dirty_since_ms is not None:
-                clean[shard] = min(clean[shard], state.dirty_since_ms)
-        out: dict[int, int] = {}
-        for shard, clean_ms in clean.items():
-            if shard in sub.checkpoint_ms and clean_ms == sub.checkpoint_ms[shard]:
-                sub.stale.discard(shard)
-                continue
+    def _due_checkpoints(
+        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], now_ms: int
+    ) -> list[int]:
+        """The shards among ``shards`` whose checkpoint this Commit writes: those with a change not
+        yet in a cursor record (or a lagging checkpoint), at most once per interval each; the
+        others that lag are marked stale (the background flush writes them)."""
+        lagging = (sub.book.dirty_shards(proposed) | sub.stale) & shards
+        out: list[int] = []
+        for shard in sorted(lagging):
             last = sub.checkpoint_written_ms.get(shard)
             if last is None or now_ms - last >= self._interval_ms:
-                out[shard] = clean_ms
+                out.append(shard)
             sub.stale.add(shard)  # until the Commit that writes it succeeds
         return out
 
-    def _acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
+    def next_due_ms(self, sub: Subscription, now_ms: int) -> int | None:
+        """When the first checkpoint that acks wait for is due (None: no ack waits for one)."""
+        lagging = {shard for shard, waiting in sub.waiters.items() if waiting}
+        if not lagging:
+            return None
+        written = sub.checkpoint_written_ms
+        return min(now_ms if shard not in written else written[shard] + self._interval_ms for shard in lagging)
+
+    def acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
         """The fence of each of ``shards``; a shard the source says is lost goes to ``lost``."""
-        if self._fences is None:
+        if self.fences is None:
             return {}
         out: dict[int, docs.Fence] = {}
         for shard in sorted(shards):
             try:
-                fence = self._fences(sub.name, shard)
+                fence = self.fences(sub.name, shard)
             except ShardLost:
                 lost.add(shard)
                 continue
@@ -264,8 +294,11 @@ class ShardWriter:
         return True
 
 
-def _checkpoint_fields(shard: int, clean_ms: int) -> dict[str, int]:
-    return {layout.SHARD: shard, "clean_ms": clean_ms, "v": layout.LAYOUT_VERSION}
+def _checkpoint_write(sub: Subscription, shard: int, clean_ms: int, overlay: list[KeyState]) -> docs.Write:
+    """The shard's checkpoint: ``clean_ms`` and the overlay of cursors (``CursorBook``), as one replace."""
+    fields: dict[str, Any] = {layout.SHARD: shard, "clean_ms": clean_ms, "v": layout.LAYOUT_VERSION}
+    fields[layout.OVERLAY] = {layout.key_doc_id(state.key): overlay_fields(state) for state in overlay}
+    return docs.replace(layout.checkpoint_path(sub.path, shard), fields)
 
 
 def _cursor_write(sub: Subscription, state: KeyState, shard: int, now_ms: int) -> docs.Write:

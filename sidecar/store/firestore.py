@@ -149,6 +149,11 @@ def _set_value(target: Any, value: Any) -> None:
         array.SetInParent()
         for item in value:
             _set_value(array.values.add(), item)
+    elif isinstance(value, dict):
+        mapped = target.map_value
+        mapped.SetInParent()
+        for name, item in value.items():
+            _set_value(mapped.fields[name], item)
     else:
         raise TypeError(f"store: cannot encode {type(value).__name__}")
 
@@ -167,7 +172,7 @@ def _get_value(value: Any) -> Any:
     return getattr(value, kind)
 
 
-_OPERATORS = {"EQUAL": "EQUAL", "GREATER_THAN_OR_EQUAL": "GREATER_THAN_OR_EQUAL"}
+_OPERATORS = {"EQUAL": "EQUAL", "GREATER_THAN_OR_EQUAL": "GREATER_THAN_OR_EQUAL", "LESS_THAN": "LESS_THAN"}
 
 
 def _add_filters(query: Any, filters: list[docs.Filter]) -> None:

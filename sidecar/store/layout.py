@@ -52,6 +52,10 @@ INBOX = "inbox"
 """Field of a pending message written by a pod that does not own its shard: the shard, for the
 owner's Listen (``inbox == X and state == pending``). A tombstone (a replace) drops it."""
 
+OVERLAY = "cursors"
+"""Field of a checkpoint document: a map from key document id to the key's cursor fields, for the
+keys whose latest cursor is kept there rather than in their own document (``CursorBook``)."""
+
 MAX_DOCUMENT_BYTES = 1_048_576
 """Firestore's per-document limit (storage size, field names included)."""
 
@@ -168,6 +172,8 @@ def value_size(value: Any) -> int:
         return len(value)
     if isinstance(value, list):
         return sum(value_size(item) for item in value)
+    if isinstance(value, dict):
+        return sum(len(name.encode()) + 1 + value_size(item) for name, item in value.items())
     raise TypeError(f"store_codec: no Firestore size for {type(value).__name__}")
 
 
@@ -265,6 +271,26 @@ def stripped_message_from_fields(doc_id: str, fields: dict[str, Any]) -> Message
     return dataclasses.replace(message, payload=dataclasses.replace(message.payload, stripped=True))
 
 
+DONE_AT = "done_at"
+"""Field of a tombstone: ``done_at_value(shard, done_ms)``, the one indexed field recovery ranges over.
+
+Not ``done_ms`` itself: an indexed field whose values only grow puts every new index entry at the
+end of its index, and production caps such a collection near 500 writes/s (an *index hotspot*).
+The shard in front gives each shard its own insertion point (S of them), so the end of the index
+takes 1/S of the tombstones; and a per-shard load asks for exactly its shard's range
+(``done_at_range``). ``done_ms`` is kept for reading, exempted from indexing (firestore.indexes.json)."""
+
+
+def done_at_value(shard: int, done_ms: int) -> str:
+    """``SSSS/ddddddddddddddd``: ordered by shard, then by time (fixed widths: text order is number order)."""
+    return f"{shard:04d}/{max(done_ms, 0):015d}"
+
+
+def done_at_range(shard: int, since_ms: int) -> tuple[str, str]:
+    """[low, high) of the ``done_at`` values of ``shard``'s tombstones finished at or after ``since_ms``."""
+    return done_at_value(shard, since_ms), f"{shard:04d}0"  # "0" sorts right after "/"
+
+
 def expire_at(now_ms: int, ttl_ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp((now_ms + ttl_ms) / 1000, tz=datetime.UTC)
 
@@ -294,6 +320,7 @@ def tombstone_fields(
         "fp": message.fingerprint,
         "state": state,
         "done_ms": now_ms,
+        DONE_AT: done_at_value(shard, now_ms),
         "expire_at": expire_at(now_ms, ttl_ms),
         "chunks": 0,
         "v": LAYOUT_VERSION,

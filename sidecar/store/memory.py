@@ -159,10 +159,12 @@ class MemoryStore:
                 self.commits_waiting -= 1
         self._enter("commit_acks")
         data = self._data(subscription)
-        # Validate first so that a bad batch changes nothing, like an atomic commit.
-        records = [self._record_of(data, ack.message) for ack in acks]
+        # Validate first so that a bad batch changes nothing, like an atomic commit. A fast-path
+        # message (``volatile``) has no record: its ack only moves the cursor.
+        records = [None if ack.message.volatile else self._record_of(data, ack.message) for ack in acks]
         for ack, record in zip(acks, records, strict=True):
-            record.state = "acked"
+            if record is not None:
+                record.state = "acked"
             self._advance_cursor(data, ack)
         self.committed_batches.append([ack.delivery_id for ack in acks])
 

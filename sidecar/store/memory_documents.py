@@ -314,6 +314,8 @@ def _matches(fields: docs.Fields, where: docs.Filter) -> bool:
     if where.op == "EQUAL":
         return bool(value == where.value)
     a, b = _sortable(value), _sortable(where.value)
+    if where.op == "LESS_THAN":
+        return bool(a[0] == b[0] and a < b)
     return bool(a[0] == b[0] and a >= b)
 
 

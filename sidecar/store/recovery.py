@@ -46,7 +46,7 @@ from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.layout import ACKED, DONE_STATES, LAYOUT_VERSION, CorruptDocument, check_version, require_v2
+from sidecar.store.layout import ACKED, DONE_STATES, LAYOUT_VERSION, OVERLAY, CorruptDocument, check_version, require_v2
 
 CHECKPOINT_MARGIN_MS = 5_000
 """Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
@@ -93,6 +93,23 @@ def checkpoint_of(path: str, fields: dict[str, Any] | None) -> int | None:
     return clean
 
 
+def overlay_of(path: str, fields: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The cursors a shard's checkpoint holds (``layout.OVERLAY``): (key document id, fields) each."""
+    if fields is None:
+        return []
+    overlay = fields.get(OVERLAY)
+    if overlay is None:
+        return []
+    if not isinstance(overlay, dict):
+        raise CorruptDocument(f"checkpoint document {path}: {OVERLAY} is {type(overlay).__name__}, not a map")
+    out = []
+    for doc_id, entry in overlay.items():
+        if not isinstance(entry, dict):
+            raise CorruptDocument(f"checkpoint document {path}: {OVERLAY}.{doc_id} is not a map")
+        out.append((f"checkpoint document {path}, {OVERLAY}.{doc_id}", entry))
+    return out
+
+
 def since_ms(checkpoints: Iterable[int | None]) -> int:
     """Tombstones finished at or after this time must be folded in (0: a shard has no checkpoint)."""
     known = list(checkpoints)
@@ -108,9 +125,13 @@ def recover(
     pending: list[Message],
     since: int,
     shards: frozenset[int] | None = None,
+    overlays: Iterable[tuple[str, dict[str, Any]]] = (),
 ) -> Recovered:
-    """Fold cursor documents and recent tombstones into per-key states; the snapshot to restore.
-    ``shards``: the shards loaded (tombstones of other shards are left out); None: all."""
+    """Fold cursor documents, the checkpoints' overlays and recent tombstones into per-key states;
+    the snapshot to restore. ``shards``: the shards loaded (tombstones of other shards are left
+    out); None: all. ``overlays``: (where, fields) of each cursor a checkpoint holds; a key's
+    overlay entry replaces its cursor document (it is never older: a key leaves the overlay only in
+    the Commit that writes its document)."""
     mode = rules.mode
     states: dict[str, KeyState] = {}
     stored: dict[str, dict[str, Any]] = {}
@@ -121,6 +142,13 @@ def recover(
             raise CorruptDocument(f"cursor document keys/{doc_id}: a second cursor for key {state.key[:100]!r}")
         if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
             state.next_sequence = rules.sequence_start
+        states[state.key] = state
+        stored[state.key] = cursor_fields(state)
+    for where, fields in overlays:
+        state = _decode_cursor(where, fields, where)
+        if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
+            state.next_sequence = rules.sequence_start
+        state.in_overlay = True
         states[state.key] = state
         stored[state.key] = cursor_fields(state)
     # In Commit order: done_ms, then the cursor each ack carried, makes the fold deterministic.

@@ -130,6 +130,10 @@ def _python_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+INDEXES_FILE = Path(__file__).resolve().parents[2] / "firestore.indexes.json"
+"""The repository's shipped Firestore index exemptions and TTL policy."""
+
+
 @dataclass
 class EmulatorsProcess:
     """``pubsub-sidecar emulators`` on port 0, with the addresses it printed."""
@@ -146,6 +150,9 @@ class EmulatorsProcess:
             sys.executable, "-m", "sidecar", "emulators",
             "--pubsub-port", "0", "--firestore-port", "0", "--monitoring-port", "0", "--admin-port", "0",
             "--metric-period", str(self.metric_period), "--metric-delay", str(self.metric_delay),
+            # The shipped index exemptions, so a query production would refuse fails here too; TTL
+            # sweeps after every commit, so expired documents go at once.
+            "--firestore-indexes", str(INDEXES_FILE), "--firestore-ttl-sweep", "0",
         ]  # fmt: skip
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env({})

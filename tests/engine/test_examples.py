@@ -46,16 +46,24 @@ def test_gap_is_held_until_missing_sequence_arrives() -> None:
     assert ack_all(engine) == [("k", 2)]
 
 
-def test_one_message_per_key_in_flight_until_acked_durably() -> None:
+def test_one_message_per_key_in_flight_until_the_app_acked_it() -> None:
     engine = sequence_engine()
-    for seq in (1, 2):
+    for seq in (1, 2, 3):
         engine.on_stored(seq_message("k", seq), 0)
     (first,) = engine.take("c", 10, 0)
+    assert taken(engine) == []  # in flight: the slot is taken
     intent = engine.ack("c", first.delivery_id, 0)
     assert intent.cursor == 2
-    assert taken(engine) == []  # acking still occupies the slot
+    # The app's ack frees the slot (G2); the ack becoming durable is the store's business.
+    (second,) = engine.take("c", 10, 0)
+    assert second.message.sequence == 2 and taken(engine) == []
+    assert engine.ack("c", second.delivery_id, 0).cursor == 3
+    status = engine.status(0)[0]
+    assert (status.in_flight, status.ready) == (0, 1)  # the acking two hold no slot: the third is ready
+    engine.ack_durable([second.delivery_id], 1)  # durable out of order: the cursor waits for the first
+    assert engine.export().cursors[0].next_sequence == 1
     engine.ack_durable([first.delivery_id], 1)
-    assert taken(engine) == [("k", 2)]
+    assert engine.export().cursors[0].next_sequence == 3
 
 
 def test_duplicate_below_cursor_or_pending_is_dropped() -> None:

@@ -28,11 +28,13 @@ def make_sub_config(
     dead_letter_topic: str | None,
     max_undelivered_messages: int | None,
     max_outstanding_messages: int,
+    fast_path: bool = True,
 ) -> SubscriptionConfig:
     ordering: dict[str, Any] = {"mode": mode}
     if mode == "sequence":
         ordering["key"] = {"attribute": "order_id"}
         ordering["sequence"] = {"attribute": "seq", "start": 1}
+        ordering["fast_path"] = fast_path
     body: dict[str, Any] = {
         "name": name,
         "subscription": subscription,
@@ -59,15 +61,23 @@ class IngestHarness:
         max_undelivered_messages: int | None = None,
         max_outstanding_messages: int = 100,
         name: str = "orders",
+        config_fast_path: bool = True,
         **ingestor_kwargs: Any,
     ) -> None:
+        self._config_fast_path = config_fast_path
         self.admin = admin
         self.mode = mode
         self.name = name
         self._with_dead_letter_topic = with_dead_letter_topic
         self._max_undelivered = max_undelivered_messages
         self._max_outstanding = max_outstanding_messages
-        self._ingestor_kwargs = {"backoff_initial_seconds": 0.05, "backoff_maximum_seconds": 0.5, **ingestor_kwargs}
+        # The persist path by default; the in-order fast path is tested where asked for.
+        self._ingestor_kwargs = {
+            "backoff_initial_seconds": 0.05,
+            "backoff_maximum_seconds": 0.5,
+            "fast_path": False,
+            **ingestor_kwargs,
+        }
         self.store = MemoryStore()
         self.topic = ""
         self.subscription = ""
@@ -105,6 +115,7 @@ class IngestHarness:
             dead_letter_topic=self.dead_letter_topic,
             max_undelivered_messages=self._max_undelivered,
             max_outstanding_messages=self._max_outstanding,
+            fast_path=self._config_fast_path,
         )
         self.dead_letters = DeadLetterPublisher({self.name: self.dead_letter_topic})
         self.runtime = SubscriptionRuntime(self.name, self.config.engine_config(), self.store, self.dead_letters)

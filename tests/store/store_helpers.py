@@ -49,3 +49,13 @@ def client_of(store: FirestoreStore) -> firestore.AsyncClient:
 
 async def documents(client: firestore.AsyncClient, path: str) -> dict[str, dict[str, Any]]:
     return {snap.id: snap.to_dict() or {} async for snap in client.collection(path).stream()}
+
+
+async def cursors(client: firestore.AsyncClient, sub_path: str) -> dict[str, dict[str, Any]]:
+    """Every key's latest written cursor, by key: its shard checkpoint's overlay entry (``cursors``)
+    where there is one, else its own cursor document, as recovery reads them."""
+    out = {fields["key"]: fields for fields in (await documents(client, f"{sub_path}/keys")).values()}
+    for checkpoint in (await documents(client, f"{sub_path}/checkpoints")).values():
+        for entry in (checkpoint.get("cursors") or {}).values():
+            out[entry["key"]] = entry
+    return out

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 
-from crash_sim import Crash, Published, SimConfig, Simulation
+from crash_sim import SUB, Crash, Published, SimConfig, Simulation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from sidecar.engine.types import Message
 
 _EXAMPLES = int(os.environ.get("CRASH_SIM_EXAMPLES", "150"))
 
@@ -41,6 +43,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         max_idle_keys=draw(st.sampled_from([0, 1, 10_000])),
         pods=draw(st.integers(1, 3)),
         shards=draw(st.integers(1, 3)),
+        fast_path=draw(st.booleans()),
     )
 
 
@@ -177,7 +180,8 @@ def test_g_a_cursor_is_never_durable_ahead_of_a_tombstone() -> None:
 
 
 def test_h_a_copy_of_a_confirmed_message_past_the_dedup_ttl_is_never_delivered() -> None:
-    """G3 beyond the TTL: dropped as a duplicate while the engine remembers, dead-lettered after a restart."""
+    """G3 beyond the TTL: dropped as a duplicate, before a restart (the engine remembers) and after it
+    (the key's cursor record says every sequence below it was finished, none skipped)."""
     sim = Simulation(SimConfig(keys=1, per_key=1, on_late="deliver"))
     sim.ingest_all()
     sim.take()
@@ -192,9 +196,39 @@ def test_h_a_copy_of_a_confirmed_message_past_the_dedup_ttl_is_never_delivered()
     sim.step("crash", 0)
     sim.step("redeliver", 0)
     sim.ingest_all()
-    assert sim.take() == []
+    assert sim.take() == [] and sim.life.engine.status(sim.now_ms)[0].counts["duplicates"] == 1
     sim.dead_letter_all()
-    assert [reason for _, reason in sim.dead_letter_topic] == ["below_cursor"]
+    assert sim.dead_letter_topic == []
+    _finish(sim)
+
+
+def test_o_a_copy_from_a_skipped_range_is_late_after_a_restart_and_an_acked_one_a_duplicate() -> None:
+    """The cursor record keeps the ranges a gap timeout skipped: after a restart a copy from one is
+    late (``on_late``), a copy of an acked sequence a duplicate."""
+    sim = Simulation(
+        SimConfig(keys=1, per_key=4, gap_timeout_ms=1_000, on_gap_timeout="skip", unpublished=frozenset({("k0", 2)}))
+    )
+    sim.ingest_all()
+    sim.take()
+    sim.ack("k0", 1)
+    sim.settle()
+    sim.step("tick", 2)  # past the gap timeout: 2 is skipped
+    for seq in (3, 4):
+        sim.take()
+        sim.ack("k0", seq)
+        sim.settle()
+    sim.step("flush", 0)
+    sim.step("expire", 0)  # past the dedup TTL: the tombstones are gone, only the cursor record knows
+    sim.step("crash", 0)
+    cursor = sim.life.store.cursor(SUB, "k0")
+    assert cursor is not None and cursor.next_sequence == 5
+    assert (cursor.known_from, cursor.skipped) == (1, ((2, 2),))
+    sim.publish(Published("k0", 2))  # the skipped one, at last
+    sim.step("redeliver", 0)  # and a copy of 1, acked long ago
+    sim.ingest_all()
+    sim.dead_letter_all()
+    assert [(m.sequence, reason) for m, reason in sim.dead_letter_topic if isinstance(m, Message)] == [(2, "late")]
+    assert sim.life.engine.status(sim.now_ms)[0].counts["duplicates"] == 1
     _finish(sim)
 
 
