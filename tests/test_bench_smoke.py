@@ -26,15 +26,12 @@ from bench.harness import BenchError, billed_operations, numeric_counters, perce
 from bench.scenarios import Result, build_stream, resolve
 
 _REPO = Path(__file__).resolve().parent.parent
-_INDEXES = ["--firestore-indexes", str(_REPO / "bench" / "results" / "cost-before.indexes.json")]
-"""The store of this commit queries messages.done_ms, which firestore.indexes.json exempts: it needs
-the "before" run's index config (docs/bench.md, Cost). Back to the default once it stops querying it."""
 
 
 @pytest.mark.timeout(180)
 def test_smoke_run_prints_table_with_numeric_columns(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--scenario", "smoke", "--results-dir", str(tmp_path), *_INDEXES],
+        [sys.executable, "-m", "bench", "--scenario", "smoke", "--results-dir", str(tmp_path)],
         cwd=_REPO,
         capture_output=True,
         text=True,

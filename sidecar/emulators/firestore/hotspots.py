@@ -3,9 +3,13 @@
 Production writes each indexed field's entry (value in Firestore's value order, then document
 name) into that field's index. When the values grow monotonically (timestamps, counters), every new
 entry sorts after all the others and lands on the same tablet: production caps such a collection
-near 500 writes/s. This module counts, per (collection group, field path), the writes whose entry
-is an *append* (sorts after every existing entry of that group and field), and the peak number of
-appends within one wall-clock second.
+near 500 writes/s. This module counts, per (collection group, field path), the writes that are
+*appends*, and the peak number of appends within one wall-clock second. An append is a write whose
+value sorts after every value the field held when the current second began: its entry lands in index
+space at the end that did not exist a moment ago, where production has had no time to split the
+range, whatever the document name. So a timestamp that many writes share (one Commit's) counts for
+each of them, while a value that existed before (``state == "pending"``, a shard number) never
+counts: its entries spread over a long-lived range by their random document names.
 
 - Fields counted: every top-level field a write sets, and every map subfield (``a.b``), as
   production indexes them; a field whose value did not change is not rewritten in the index and is
@@ -40,6 +44,9 @@ class _Tally:
     peak_per_s: int = 0
     second: int = -1
     in_second: int = 0
+    base: Key | None = None
+    """The largest value when ``base_second`` began: a value above it is an append."""
+    base_second: int = -1
 
 
 class HotspotCounter:
@@ -65,10 +72,16 @@ class HotspotCounter:
             tally = self._tallies.get((group, path))
             if tally is None:
                 tally = self._tallies[(group, path)] = _Tally()
-            if tally.maximum is not None and entry <= tally.maximum:
-                continue
-            tally.maximum = entry
-            self._count(tally)
+            second = int(self._clock())
+            if second != tally.base_second:
+                tally.base_second = second
+                tally.base = None if tally.maximum is None else tally.maximum[0]
+            newest = tally.maximum is None or entry > tally.maximum
+            if newest:
+                tally.maximum = entry
+            # A field with no value before this second: only entries at its very end count.
+            if entry[0] > tally.base if tally.base is not None else newest:
+                self._count(tally)
 
     def _count(self, tally: _Tally) -> None:
         tally.appends += 1
@@ -90,7 +103,7 @@ class HotspotCounter:
         """Zero the counts (with the other counters); the maxima stay: the index still holds them."""
         for tally in self._tallies.values():
             tally.appends = tally.peak_per_s = tally.in_second = 0
-            tally.second = -1
+            tally.second = tally.base_second = -1
 
     def clear(self) -> None:
         """The store was emptied: the indexes are empty too."""

@@ -113,6 +113,32 @@ def test_monotonic_values_are_appends_and_random_ones_rarely(
     assert 1 <= after["events.seq"]["peak_per_s"] <= after["events.seq"]["appends"]
 
 
+def test_a_timestamp_shared_by_a_commit_counts_for_each_write_and_an_old_value_never(
+    indexed: Endpoint, indexed_client: firestore.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _emulator(indexed).hotspots
+    col = indexed_client.collection("tombs")
+    col.document("seed").set({"done": 0, "state": "pending"})
+    # A new second begins for the counter: what existed before it is the base.
+    now = [1_000_000.0]
+    monkeypatch.setattr(clock, "_clock", lambda: now[0])
+    before = clock.snapshot()
+    for stamp in (1, 2):
+        now[0] += 1
+        batch = indexed_client.batch()
+        for _ in range(30):  # one Commit: one finish time, random document names
+            batch.set(col.document(uuid.uuid4().hex), {"done": stamp, "state": "pending"})
+        batch.commit()
+    after = clock.snapshot()
+
+    def appends(field: str) -> int:
+        return int(after.get(field, {}).get("appends", 0) - before.get(field, {}).get("appends", 0))
+
+    assert appends("tombs.done") == 60, "every entry of a new time lands at the end of the index"
+    assert appends("tombs.state") == 0, "a value the field already held spreads by document name"
+    assert after["tombs.done"]["peak_per_s"] >= 30
+
+
 def test_an_unchanged_field_is_not_rewritten_in_its_index(indexed: Endpoint, indexed_client: firestore.Client) -> None:
     ref = indexed_client.collection("ticks").document("only")
     ref.set({"n": 1, "other": 1})
