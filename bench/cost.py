@@ -135,6 +135,8 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         await wait_acks_durable(sidecar, distinct)
         cpu_used = cpu_seconds(sidecar.pid) - cpu_before
         duplicates_dropped = sidecar.metric("pubsub_sidecar_duplicates_total")
+        stored = sidecar.metric("pubsub_sidecar_stored_total")
+        fast_path = sidecar.metric("pubsub_sidecar_fast_path_total")
         error_logs = sidecar.error_log_lines()
     finally:
         if app is not None:
@@ -187,6 +189,8 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         "dedup_ttl": DEDUP_TTL,
         "cpu_seconds_per_10k": cpu_used / distinct * 10_000,
         "duplicates_dropped": duplicates_dropped,
+        "stored": stored,
+        "fast_path": fast_path,
         "redeliveries_to_app": app.redeliveries,
         "sidecar_exit_code": exit_code,
         "sidecar_error_log_lines": len(error_logs),

@@ -100,8 +100,11 @@ def cost_table(runs: Sequence[Mapping[str, Any]]) -> str:
     return render_table([list(_HEADER), *(_cells(run) for run in runs)])
 
 
+_HOTSPOTS_SHOWN = 5
+
+
 def hotspot_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Per run: every (group, field) with its peak appends/s, the largest first."""
+    """Per run: the (group, field)s with the highest peak appends/s, the largest first."""
     lines = []
     for run in runs:
         hotspots = run.get("hotspots")
@@ -112,7 +115,10 @@ def hotspot_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         elif not hotspots:
             lines.append(f"  {run['run']}: no appends to any indexed field")
         else:
-            cells = ", ".join(f"{h['field']} {h['peak_per_s']:,.0f}/s ({h['appends']:,})" for h in hotspots)
+            top = hotspots[:_HOTSPOTS_SHOWN]
+            cells = ", ".join(f"{h['field']} {h['peak_per_s']:,.0f}/s ({h['appends']:,})" for h in top)
+            if len(hotspots) > len(top):
+                cells += f", and {len(hotspots) - len(top)} more (the JSON has them all)"
             lines.append(f"  {run['run']}: {cells}")
     return lines
 

@@ -394,6 +394,8 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
                 in_flight=status.in_flight,
                 keys_blocked=status.keys_blocked,
                 keys_blocked_dead_letter=status.keys_blocked_dead_letter,
+                stored=ingest.persisted,
+                fast_path=ingest.fast_path,
                 oldest_undelivered_age_seconds=0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000),
                 watermark_lag_seconds=lag,
                 shards_owned=len(s.runtime.shards()) if s.runtime.sharded else None,

@@ -55,6 +55,8 @@ class SubscriptionMetrics:
     oldest_undelivered_age_seconds: float
     watermark_lag_seconds: float | None
     keys_blocked_dead_letter: int = 0
+    stored: int = 0
+    fast_path: int = 0
     shards_owned: int | None = None
     """Several pods: shards this pod owns and delivers now (None without shard leases)."""
     lease_renewals: int = 0
@@ -79,6 +81,8 @@ class SidecarCollector(Collector):
             "acked": "App acks made durable.",
             "nacked": "App nacks and ack-deadline expiries.",
             "late": "Messages that arrived behind their key's cursor.",
+            "stored": "Messages written to Firestore before their Pub/Sub ack.",
+            "fast_path": "Messages delivered without a Firestore document (in order at their key's owner).",
         }
         yield from _counter_families(counters, snapshots)
         dead = CounterMetricFamily(

@@ -85,7 +85,12 @@ class IndexConfig:
         """Whether the single-field index ``kind`` of ``group``.``path`` exists in ``scope``."""
         if path == NAME_PATH or not self.enforced:
             return True
-        override = self.overrides.get((group, path))
+        # A map field's override governs its subfields too, unless one has its own (production).
+        override = None
+        for end in range(len(path), 0, -1):
+            override = self.overrides.get((group, path[:end]))
+            if override is not None:
+                break
         return (kind, scope) in (DEFAULT_SINGLE if override is None else override.single_indexes)
 
     def is_ordered_index_exempt(self, group: str, path: FieldPath) -> bool:

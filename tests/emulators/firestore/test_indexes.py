@@ -162,3 +162,22 @@ def test_a_malformed_config_is_refused_with_one_line_naming_the_entry(data: Any,
         parse_index_config(data)
     assert named in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_an_exempted_map_field_exempts_its_subfields_unless_one_has_its_own_override() -> None:
+    config = parse_index_config(
+        {
+            "fieldOverrides": [
+                {"collectionGroup": "c", "fieldPath": "m", "indexes": []},
+                {
+                    "collectionGroup": "c",
+                    "fieldPath": "m.kept",
+                    "indexes": [{"order": "ASCENDING", "queryScope": "COLLECTION"}],
+                },
+            ]
+        }
+    )
+    assert config.is_ordered_index_exempt("c", ("m",))
+    assert config.is_ordered_index_exempt("c", ("m", "x", "y")), "a subfield inherits its map's exemption"
+    assert not config.is_ordered_index_exempt("c", ("m", "kept")), "its own override wins"
+    assert not config.is_ordered_index_exempt("c", ("other",))
