@@ -45,7 +45,9 @@ VICTIMS = 5
 async def test_messages_pulled_by_a_killed_sidecar_are_redelivered_within_the_lease_extension(
     scenario: Scenario,
 ) -> None:
-    sub = scenario.add_subscription("orders")
+    # The persist path: the in-order fast path would deliver these messages without the BatchWrite
+    # the test slows down (its own Pub/Sub ack waits on a checkpoint, under the same lease cap).
+    sub = scenario.add_subscription("orders", ordering={"fast_path": False})
     emulators = scenario.emulators
     emulators.add_fault(
         service="firestore", method="BatchWrite", code=None, delay_seconds=SLOW_ACK_SECONDS, writes_to="/messages/"
