@@ -57,8 +57,9 @@ def test_smoke_run_prints_table_with_numeric_columns(tmp_path: Path) -> None:
     assert number(rows["baseline"][3]) == 1.0
     sidecar = rows["seq-100keys"]
     assert number(sidecar[3]) > 0
-    # Every delivered message was written at least once to Firestore; the process used CPU and memory.
-    assert number(sidecar[7]) >= 1.0
+    # Messages behind a gap (and duplicates) are written to Firestore, the in-order rest takes the
+    # fast path (no document): some writes, fewer than one per message. The process used CPU and memory.
+    assert 0 < number(sidecar[7]) < 1.0
     assert number(sidecar[8]) > 0 and number(sidecar[9]) > 10
 
     stored = json.loads((tmp_path / "seq-100keys.json").read_text())
