@@ -60,6 +60,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("cpu s/10k", "cpu_seconds_per_10k", "{:.1f}"),
     ("rss MB", "peak_rss_mb", "{:.0f}"),
     ("ready s", "ready_seconds", "{:.1f}"),
+    ("cpu x base", "cpu_ratio_to_baseline", "{:.1f}"),
 )
 
 
@@ -147,6 +148,13 @@ async def run_bench(
     for result in results:
         if baseline and baseline.messages_per_second and result.messages_per_second is not None:
             result.ratio_to_baseline = result.messages_per_second / baseline.messages_per_second
+        if (
+            baseline
+            and baseline.cpu_seconds_per_10k
+            and result.cpu_seconds_per_10k is not None
+            and result.scenario != "recovery"  # its CPU is a load's, not per delivered message
+        ):
+            result.cpu_ratio_to_baseline = result.cpu_seconds_per_10k / baseline.cpu_seconds_per_10k
         write_json(results_dir, result, profile, sizes, started_at)
     print()
     print(format_table(results))

@@ -8,7 +8,8 @@ Rules this module keeps:
 - Costs that can be counted are counted, not timed: Firestore reads, writes and deletes come from the
   emulator's admin counters (``GET /firestore/counters``, reset with ``POST``).
 - This is the only bench module that imports ``google.cloud.pubsub_v1``: the official publisher for
-  every scenario, and the official subscriber with a no-op callback as the baseline.
+  every scenario, and the official subscriber with a no-op callback as the baseline (run as its own
+  process by ``bench.baseline_process``, so that its CPU time is measured apart).
 - Every wait is a poll with a deadline that names what it waited for; a deadline missed raises
   ``BenchError`` with the process's last output, never a hang.
 """
@@ -395,7 +396,7 @@ def message_attributes(message: Outgoing) -> dict[str, str]:
 
 
 class PubSub:
-    """Topics, subscriptions and publishing on the emulator, plus the baseline subscriber."""
+    """Topics, subscriptions and publishing on the emulator; the baseline subscriber runs apart."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self._env = dict(env)
@@ -448,42 +449,70 @@ class PubSub:
         return started
 
     def start_baseline(self, subscription: str) -> tuple[BaselineResult, Callable[[int, float], None]]:
-        """Start the baseline subscriber now; returns its result and ``wait(expected, timeout)``."""
+        """Start the baseline subscriber (``bench.baseline_process``, a process of its own, so that its
+        CPU time is its own) now; returns its result and ``wait(expected, timeout)``."""
         result = BaselineResult()
-        lock = threading.Lock()
-        changed = threading.Condition(lock)
+        changed = threading.Condition()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.baseline_process", subscription],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(self._env),
+        )
+        result.pid = proc.pid
+        final: dict[str, Any] = {}
 
-        def callback(message: Any) -> None:
-            now = time.time()
-            message.ack()
-            with changed:
-                result.received += 1
-                result.last_at = now
-                if message.attributes.get("phase") == "latency":
-                    result.latencies.append(now - float(message.attributes[TIMESTAMP_ATTRIBUTE]))
-                changed.notify_all()
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                report = json.loads(line)
+                with changed:
+                    result.received, result.last_at = int(report["received"]), float(report["last_at"])
+                    if report.get("final"):
+                        final.update(report)
+                    changed.notify_all()
 
-        future = self.subscriber.subscribe(subscription, callback)
+        reader = threading.Thread(target=pump, name="baseline-reader", daemon=True)
+        reader.start()
 
         def wait(expected: int, timeout: float) -> None:
             with changed:
-                ok = changed.wait_for(lambda: result.received >= expected, timeout)
-            if not ok:
-                future.cancel()
+                ok = changed.wait_for(lambda: result.received >= expected or proc.poll() is not None, timeout)
+            if not ok or result.received < expected:
+                stop()
                 raise BenchError(f"baseline subscriber got {result.received} of {expected} in {timeout:.0f}s")
 
         def stop() -> None:
-            future.cancel()
-            future.result(timeout=30)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=5)
+            result.latencies = [float(x) for x in final.get("latencies", [])]
+            if proc.returncode != 0:
+                error = proc.stderr.read() if proc.stderr is not None else ""
+                raise BenchError(f"baseline subscriber exited with {proc.returncode}: {error[-2000:]}")
 
         result.stop = stop
         return result, wait
+
+
+def subscriber_client() -> Any:
+    """The official subscriber client (the emulator's from ``PUBSUB_EMULATOR_HOST``): the bench's
+    one importer of google-cloud-pubsub hands it to ``bench.baseline_process``."""
+    return pubsub_v1.SubscriberClient()
 
 
 @dataclass
 class BaselineResult:
     received: int = 0
     last_at: float = 0.0
+    pid: int = 0
+    """The baseline subscriber's process (its CPU time is read from ``/proc``)."""
     latencies: list[float] = field(default_factory=list)
     stop: Callable[[], None] = field(default=lambda: None, repr=False)
 

@@ -134,6 +134,8 @@ class Result:
     reads_per_message: float | None = None
     writes_deletes_per_message: float | None = None
     cpu_seconds_per_10k: float | None = None
+    cpu_ratio_to_baseline: float | None = None
+    """CPU per message over the baseline's (the official subscriber in a process of its own)."""
     peak_rss_mb: float | None = None
     ready_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -327,13 +329,19 @@ class Runner:
         latency_stream, _ = self._latency_stream(scenario)
         result, wait = self.pubsub.start_baseline(subscription)
         try:
+            # One message first: the subscriber process is up and streaming before the clock starts.
+            warm_up, _ = build_stream(1, 1, "throughput", "warm-up-", seed=3)
+            await asyncio.to_thread(self.pubsub.publish, subscription, warm_up)
+            await asyncio.to_thread(wait, 1, phase_timeout(1))
+            cpu_before = cpu_seconds(result.pid)
             started = await asyncio.to_thread(self.pubsub.publish, subscription, stream)
-            await asyncio.to_thread(wait, len(stream), phase_timeout(len(stream)))
+            await asyncio.to_thread(wait, 1 + len(stream), phase_timeout(len(stream)))
             elapsed = result.last_at - started
             rate = self.sizes.latency_rate_per_second
             await asyncio.to_thread(self.pubsub.publish, subscription, latency_stream, rate)
             total = len(stream) + len(latency_stream)
-            await asyncio.to_thread(wait, total, phase_timeout(len(latency_stream)))
+            await asyncio.to_thread(wait, 1 + total, phase_timeout(len(latency_stream)))
+            cpu_used = cpu_seconds(result.pid) - cpu_before
         finally:
             await asyncio.to_thread(result.stop)
         return Result(
@@ -342,6 +350,8 @@ class Runner:
             messages=len(stream),
             messages_per_second=len(stream) / elapsed,
             ratio_to_baseline=1.0,
+            cpu_seconds_per_10k=cpu_used / total * 10_000,
+            cpu_ratio_to_baseline=1.0,
             p50_ms=_ms(percentile(result.latencies, 0.50)),
             p99_ms=_ms(percentile(result.latencies, 0.99)),
         )

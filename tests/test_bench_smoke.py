@@ -117,8 +117,8 @@ def test_table_shows_dash_for_columns_a_scenario_does_not_measure() -> None:
     header, rule, row = table.splitlines()
     assert header.split()[0] == "scenario" and set(rule) <= {"-", " "}
     cells = row.split()
-    assert cells[0] == "recovery" and cells[1] == "100,000" and cells[-1] == "4.2" and cells[-2] == "120"
-    assert cells[2] == "-"
+    assert cells[0] == "recovery" and cells[1] == "100,000" and cells[-2] == "4.2" and cells[-3] == "120"
+    assert cells[2] == "-" and cells[-1] == "-"  # no msg/s, no CPU ratio
 
 
 def test_percentile_is_nearest_rank() -> None:
