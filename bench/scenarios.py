@@ -440,6 +440,9 @@ class Runner:
         # No app drains the backlog: without this the sidecar would (rightly) stop pulling at
         # 10,000 undelivered messages and leave the rest in Pub/Sub.
         entry["flow_control"] = {"max_undelivered_messages": None}
+        # Every message stored: in order, with no app, the fast path would leave them in Pub/Sub
+        # (unacked, up to max_outstanding_messages) instead of in Firestore, where recovery reads.
+        entry["ordering"]["fast_path"] = False
         config = write_sidecar_config(
             self.workdir / f"{scenario.name}.yaml",
             root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
