@@ -163,8 +163,8 @@ class ShardWriter:
         return lost
 
     async def unblock(self, sub: Subscription, state: KeyState, now_ms: int) -> set[int]:
-        """Write the key's cursor document now, whatever the coalescing interval; returns the
-        shards lost (the key's, when its fence failed: nothing written)."""
+        """Write the key's cursor (in its shard's checkpoint) now, whatever the coalescing interval;
+        returns the shards lost (the key's, when its fence failed: nothing written)."""
         shard = sub.shard(state.key)
         lost: set[int] = set()
         fences = self.acquire(sub, {shard}, lost)
@@ -176,12 +176,10 @@ class ShardWriter:
         state.changed_ms = now_ms
         state.dirty_since_ms = state.dirty_since_ms or now_ms
         proposed = {state.key: state}
-        kept, spill, left = sub.book.plan_checkpoint(shard, proposed, docs.MAX_WRITES - 1, now_ms)
-        writes = [_cursor_write(sub, moved, shard, now_ms) for moved in spill]
-        writes.append(_checkpoint_write(sub, shard, now_ms if left is None else left, kept))
-        if await self._send(sub, writes, fences, lost):
-            sub.book.accept(proposed, now_ms, documents=spill, overlays={shard: kept})
-            sub.checkpointed(shard, now_ms if left is None else left, now_ms)
+        plan = _plan_checkpoint(sub, shard, proposed, docs.MAX_WRITES - 1, now_ms)
+        if await self._send(sub, plan.writes, fences, lost):
+            sub.book.accept(proposed, now_ms, documents=plan.spill, overlays={shard: plan.kept})
+            sub.checkpointed(shard, plan.clean_ms, now_ms)
         return lost
 
     # ---- internals ------------------------------------------------------------------------------
@@ -223,13 +221,12 @@ class ShardWriter:
             overlays: dict[int, list[KeyState]] = {}
             cleans: dict[int, int] = {}
             for shard in self._due_checkpoints(sub, shards, proposed, now_ms):
-                kept, spill, left = sub.book.plan_checkpoint(shard, proposed, room, now_ms)
-                room -= len(spill)
-                writes += [_cursor_write(sub, state, shard, now_ms) for state in spill]
-                cleans[shard] = now_ms if left is None else left
-                writes.append(_checkpoint_write(sub, shard, cleans[shard], kept))
-                spilled += spill
-                overlays[shard] = kept
+                plan = _plan_checkpoint(sub, shard, proposed, room, now_ms)
+                room -= len(plan.spill)
+                writes += plan.writes
+                cleans[shard] = plan.clean_ms
+                spilled += plan.spill
+                overlays[shard] = plan.kept
             if not writes:
                 return
             if not await self._send(sub, writes, fences, lost):
@@ -292,6 +289,26 @@ class ShardWriter:
             sub.forget(failed)
             return False
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckpointPlan:
+    writes: list[docs.Write]
+    """The keys moved to their own cursor documents, then the checkpoint itself."""
+    kept: list[KeyState]
+    spill: list[KeyState]
+    clean_ms: int
+
+
+def _plan_checkpoint(
+    sub: Subscription, shard: int, proposed: dict[str, KeyState], room: int, now_ms: int
+) -> _CheckpointPlan:
+    """The writes of ``shard``'s checkpoint now (``CursorBook.plan_checkpoint``), with its clean time."""
+    kept, spill, left = sub.book.plan_checkpoint(shard, proposed, room, now_ms)
+    clean_ms = now_ms if left is None else left
+    writes = [_cursor_write(sub, state, shard, now_ms) for state in spill]
+    writes.append(_checkpoint_write(sub, shard, clean_ms, kept))
+    return _CheckpointPlan(writes, kept, spill, clean_ms)
 
 
 def _checkpoint_write(sub: Subscription, shard: int, clean_ms: int, overlay: list[KeyState]) -> docs.Write:
