@@ -135,22 +135,24 @@ def recover(
     mode = rules.mode
     states: dict[str, KeyState] = {}
     stored: dict[str, dict[str, Any]] = {}
+
+
+    def keep(state: KeyState) -> None:
+        if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
+            state.next_sequence = rules.sequence_start
+        states[state.key] = state
+        stored[state.key] = cursor_fields(state)
+
     for doc_id, fields in cursor_docs:
         require_v2(f"cursor document keys/{doc_id}", fields)
         state = _decode_cursor(doc_id, fields)
         if state.key in states:
             raise CorruptDocument(f"cursor document keys/{doc_id}: a second cursor for key {state.key[:100]!r}")
-        if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
-            state.next_sequence = rules.sequence_start
-        states[state.key] = state
-        stored[state.key] = cursor_fields(state)
+        keep(state)
     for where, fields in overlays:
         state = _decode_cursor(where, fields, where)
-        if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
-            state.next_sequence = rules.sequence_start
         state.in_overlay = True
-        states[state.key] = state
-        stored[state.key] = cursor_fields(state)
+        keep(state)
     # In Commit order: done_ms, then the cursor each ack carried, makes the fold deterministic.
     mine = [
         (doc_id, fields)
