@@ -1005,32 +1005,28 @@ class Simulation:
     def unblocked(self) -> set[Identity]:
         """Dead letters an operator passed: those this run saw confirmed, and those the cursor
         documents record (an unblock that applied just before a crash)."""
-        records = [fields for path, fields in self.documents.docs.items() if "/keys/" in path]
-        records += [
-            entry
-            for path, fields in self.documents.docs.items()
-            if "/checkpoints/" in path
-            for entry in (fields.get(layout.OVERLAY) or {}).values()
-        ]
-        recorded = {(fields["key"], seq) for fields in records for seq in fields.get("unb_seq") or []}
+        recorded = {(fields["key"], seq) for fields in self._cursor_records() for seq in fields.get("unb_seq") or []}
         return self.confirmed_unblocks | recorded
 
     def cursor_passed(self, key: str) -> set[Identity]:
         """Positions of ``key`` its durable cursor record passed or finished (a fast-path message's
         ack leaves nothing else: no document)."""
-        records = [fields for path, fields in self.documents.docs.items() if "/keys/" in path]
+        record = next((fields for fields in self._cursor_records() if fields.get("key") == key), None)
+        if record is None:
+            return set()
+        passed = {(key, seq) for seq in range(1, int(record.get("next_seq") or 1))}
+        return passed | {(key, seq) for seq in record.get("above_seq") or []}
+
+    def _cursor_records(self) -> list[dict[str, Any]]:
+        """Every key's cursor as written: checkpoint overlay entries first (recovery prefers them),
+        then cursor documents."""
         overlays = [
             entry
             for path, fields in self.documents.docs.items()
             if "/checkpoints/" in path
             for entry in (fields.get(layout.OVERLAY) or {}).values()
         ]
-        mine = [fields for fields in records + overlays if fields.get("key") == key]
-        if not mine:
-            return set()
-        record = next((entry for entry in overlays if entry.get("key") == key), mine[0])
-        passed = {(key, seq) for seq in range(1, int(record.get("next_seq") or 1))}
-        return passed | {(key, seq) for seq in record.get("above_seq") or []}
+        return overlays + [fields for path, fields in self.documents.docs.items() if "/keys/" in path]
 
     def snapshot_of_messages(self) -> dict[str, dict[str, Any]]:
         """Every message document as it is now (to show that a refused Commit changed nothing)."""
