@@ -511,15 +511,15 @@ class Ingestor:
         """Hand in-order messages to the runtime's fast path (nothing written); the rest is stored.
         Not messages with a Pub/Sub ordering key: the client gives the callback the next message of
         such a key only once this one is acked, and a fast-path ack waits for a checkpoint."""
-        rest = []
-        for item in batch:
-            message = None if item.incoming.ordering_key else self._runtime.take_fast(item.incoming)
-            if message is None:
-                rest.append(item)
-            else:
+        candidates = [item for item in batch if not item.incoming.ordering_key]
+        taken = self._runtime.take_fast([item.incoming for item in candidates])
+        fast = {id(item): message for item, message in zip(candidates, taken, strict=True) if message is not None}
+        for item in candidates:
+            message = fast.get(id(item))
+            if message is not None:
                 self._fast[id(message)] = item.message
-                self.counters.fast_path += 1
-        return rest
+        self.counters.fast_path += len(fast)
+        return [item for item in batch if id(item) not in fast]
 
     def _settled(self, message: Message, safe: bool) -> None:
         """The runtime settled a fast-path message: safe (ack durable, or dead letter recorded): ack it;

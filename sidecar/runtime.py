@@ -532,12 +532,19 @@ class SubscriptionRuntime:
             self._apply(entry, actions)
         self._after_change()
 
-    def take_fast(self, incoming: IncomingMessage) -> Message | None:
-        """Sequence mode's in-order fast path (docs/store.md): when ``incoming`` is exactly its key's
-        next position at this pod, the key's owner, and its key holds nothing else, it goes to the
+    def take_fast(self, batch: Sequence[IncomingMessage]) -> list[Message | None]:
+        """Sequence mode's in-order fast path (docs/store.md), per message of ``batch`` in order: when
+        it is the first position its key is missing, at this pod, the key's owner, it goes to the
         engine without being stored, flagged ``volatile``, and is returned; the caller keeps its
         Pub/Sub ack until ``on_volatile_settled``. None: store it as usual."""
         self._require_recovered()
+        now_ms = self._clock()
+        taken: list[Message | None] = [self._take_one_fast(incoming, now_ms) for incoming in batch]
+        if any(message is not None for message in taken):
+            self._after_change()
+        return taken
+
+    def _take_one_fast(self, incoming: IncomingMessage, now_ms: int) -> Message | None:
         if incoming.sequence is None or incoming.replay_id or incoming.to_owner or self._stopping:
             return None
         entry = self._engines.for_key(incoming.key)
@@ -545,14 +552,12 @@ class SubscriptionRuntime:
             return None
         if self.lease_check is not None and self.lease_check(entry.shard) != entry.epoch:
             return None
-        now_ms = self._clock()
-        message = dataclasses.replace(incoming.to_message(now_ms, ""), volatile=True)
+        message = incoming.to_message(now_ms, "", volatile=True)
         if not entry.engine.fast_path(message):
             return None
         entry.volatile[id(message)] = message
         self.counters.fast_path += 1
         self._apply(entry, entry.engine.on_stored(message, now_ms))
-        self._after_change()
         return message
 
     def _settle(self, entry: ShardEngine, message: Message, safe: bool) -> None:

@@ -95,8 +95,9 @@ class IncomingMessage:
     replay_id: str = ""
     """An operator's replay of a dead letter (``sidecar_replay_id``): a record of its own."""
 
-    def to_message(self, stored_at_ms: int, ref: str) -> Message:
-        """The engine's view of this message once a store made it durable under ``ref``."""
+    def to_message(self, stored_at_ms: int, ref: str, *, volatile: bool = False) -> Message:
+        """The engine's view of this message once a store made it durable under ``ref`` (or, with
+        ``volatile``, as the in-order fast path takes it: not stored)."""
         return Message(
             key=self.key,
             dedup_id=self.dedup_id,
@@ -106,6 +107,7 @@ class IncomingMessage:
             sequence=self.sequence,
             timestamp_ms=self.timestamp_ms,
             replay_id=self.replay_id,
+            volatile=volatile,
             payload=Payload(
                 data=self.data,
                 attributes=dict(self.attributes),

@@ -481,7 +481,7 @@ class Simulation:
             stored = []
             for number in valid:
                 engine = self._engine_of(self.pubsub[number].key) if mine[number] else None
-                message = replace(self.pubsub[number].incoming().to_message(self.now_ms, ""), volatile=True)
+                message = self.pubsub[number].incoming().to_message(self.now_ms, "", volatile=True)
                 if engine is not None and engine.fast_path(message):
                     life.fast[id(message)] = (number, message)
                     self._on_stored(message)  # nothing written; the Pub/Sub ack waits

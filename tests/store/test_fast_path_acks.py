@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 from store_helpers import ack, client_of, cursors, documents, incoming
@@ -16,7 +15,7 @@ _ROOT = "pubsub-sidecar/orders"
 
 
 def volatile(key: str, seq: int) -> Message:
-    return dataclasses.replace(incoming(key, seq).to_message(1000, ""), volatile=True)
+    return incoming(key, seq).to_message(1000, "", volatile=True)
 
 
 async def test_a_fast_path_ack_writes_no_document_and_returns_once_its_checkpoint_is_durable(make_store, emulator):
