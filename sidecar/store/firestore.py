@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -684,8 +685,6 @@ async def check_deployment(project: str, database: str, log: logging.Logger, tim
     is set). A refused or unreachable admin API gives one warning saying so and which role grants it.
     """
     # Imported here: only this start-up check uses the admin client, and this keeps it in one place.
-    import os
-
     from google.cloud.firestore_admin_v1.services.firestore_admin import FirestoreAdminAsyncClient
     from google.cloud.firestore_admin_v1.services.firestore_admin.transports import FirestoreAdminGrpcAsyncIOTransport
     from google.cloud.firestore_admin_v1.types import Field
