@@ -96,6 +96,8 @@ class Scenario:
     description: str = ""
     opt_in: bool = False
     """Runs only when named: not part of the default run (its minutes go to pod start-ups and waits)."""
+    window: int = 1
+    """``delivery.max_in_flight_per_key``: messages of one key in flight at once."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -103,6 +105,7 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         Scenario("baseline", "baseline", "raw", 100, "official subscriber, no-op callback"),
         Scenario("seq-1key", "sidecar", "sequence", 1, "sequence mode, one hot key"),
+        Scenario("seq-1key-w32", "sidecar", "sequence", 1, "sequence mode, one hot key, window 32", window=32),
         Scenario("seq-100keys", "sidecar", "sequence", 100, "sequence mode, 100 keys"),
         Scenario("seq-10000keys", "sidecar", "sequence", 10_000, "sequence mode, 10,000 keys"),
         Scenario("dedup-100keys", "sidecar", "none", 100, "dedup only (mode none), 100 keys"),
@@ -190,6 +193,8 @@ def subscription_entry(scenario: Scenario, subscription: str) -> dict[str, Any]:
     else:
         raise BenchError(f"scenario {scenario.name!r}: unknown mode {scenario.mode!r}")
     entry: dict[str, Any] = {"name": "bench", "subscription": subscription, "ordering": ordering}
+    if scenario.window != 1:
+        entry["delivery"] = {"max_in_flight_per_key": scenario.window}
     # Sequence mode dedups by (key, sequence); the others need the publisher's retry-stable id.
     entry["dedup"] = {"attribute": "event_id", "ttl": "1h"}
     return entry
