@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cost_report import compare_table, load_runs
-from bench.harness import BenchError, Emulators, PubSub
+from bench.harness import PROFILER, BenchError, Emulators, PubSub
 from bench.scenarios import METRIC_DELAY_SECONDS, METRIC_PERIOD_SECONDS, Result, Runner, Sizes, resolve
 from bench.tables import render_table
 
@@ -174,6 +174,8 @@ async def run_bench(
 def run_command(args: argparse.Namespace) -> int:
     """Entry point for ``pubsub-sidecar bench`` (``sidecar.cli``) and ``python -m bench``."""
     results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
+    if getattr(args, "py_spy", None):
+        PROFILER.directory = Path(args.py_spy)
     try:
         compare = getattr(args, "compare", None)
         indexes = Path(getattr(args, "firestore_indexes", None) or FIRESTORE_INDEXES)
@@ -190,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small sizes, under 3 minutes")
     parser.add_argument("--scenario", action="append", help="run only these scenarios (repeatable)")
     parser.add_argument("--results-dir", help=f"where the JSON goes (default {RESULTS_DIR})")
+    parser.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        help="run every sidecar under py-spy record --gil; collapsed stacks in DIR (bench/profile_report.py)",
+    )
     parser.add_argument(
         "--compare",
         metavar="PATH",

@@ -16,10 +16,12 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,6 +264,46 @@ _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on
 
 
 @dataclass
+class Profiler:
+    """``python -m bench --py-spy DIR``: every sidecar process runs under ``py-spy record --gil``
+    (samples only while a thread holds the GIL: the work that competes for the one interpreter),
+    writing collapsed stacks to ``DIR/<scenario>[-N].txt`` (``bench/profile_report.py`` summarises
+    and draws them). py-spy starts the sidecar itself: attaching to a running pid is refused here."""
+
+    directory: Path | None = None
+    rate: int = 250
+    _runs: dict[str, int] = field(default_factory=dict)
+
+    def wrap(self, cmd: list[str], name: str) -> list[str] | None:
+        if self.directory is None:
+            return None
+        py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(py_spy).exists():
+            raise BenchError("--py-spy: the py-spy command is not installed (pip install py-spy)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._runs[name] = self._runs.get(name, 0) + 1
+        suffix = "" if self._runs[name] == 1 else f"-{self._runs[name]}"
+        out = self.directory / f"{name}{suffix}.txt"
+        return [py_spy, "record", "--gil", "--rate", str(self.rate), "--format", "raw", "-o", str(out), "--", *cmd]
+
+
+PROFILER = Profiler()
+"""Set by ``--py-spy``; off by default."""
+
+
+def _child_pid(parent: int, timeout: float = 10.0) -> int:
+    """The first child of ``parent`` (the process py-spy started)."""
+    path = Path(f"/proc/{parent}/task/{parent}/children")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = path.read_text().split() if path.exists() else []
+        if children:
+            return int(children[0])
+        time.sleep(0.01)
+    raise BenchError(f"py-spy (pid {parent}) started no sidecar within {timeout:.0f}s")
+
+
+@dataclass
 class Sidecar:
     """``pubsub-sidecar run --config FILE`` as a real process."""
 
@@ -272,22 +314,29 @@ class Sidecar:
     _proc: subprocess.Popen[str] | None = None
     _out: _OutputPump | None = None
 
+    _pid: int = 0
+    _profiled: list[str] | None = None
+
     @property
     def pid(self) -> int:
+        """The sidecar's own process (under a profiler, the profiler's child)."""
         if self._proc is None:
             raise BenchError("the sidecar is not running")
-        return self._proc.pid
+        return self._pid
 
     def start(self) -> None:
-        """Start the process; returns at once (``wait_ready`` waits for /readyz)."""
+        """Start the process; returns at once (``wait_ready`` waits for /readyz). Under
+        ``PROFILER.directory`` the sidecar runs under ``py-spy record``."""
         if self._proc is not None and self._proc.poll() is None:
             raise BenchError("the sidecar is already running")
         cmd = [sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path), "--log-format", "json"]
+        self._profiled = PROFILER.wrap(cmd, self.config_path.stem)
         self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(self.env)
+            self._profiled or cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(self.env)
         )
         self._out = _OutputPump(self._proc.stdout)
         self.grpc = self.http = ""
+        self._pid = self._proc.pid if not self._profiled else _child_pid(self._proc.pid)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS, interval: float = 0.05) -> None:
         def ready() -> bool:
@@ -331,6 +380,14 @@ class Sidecar:
 
     def stop(self) -> int | None:
         """SIGTERM (the sidecar drains and exits) and wait; returns the exit code."""
+        if self._profiled and self._proc is not None and self._proc.poll() is None:
+            # The profiler writes its file once its child exits: signal the sidecar, not py-spy.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGTERM)
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
         return _stop_process(self._proc, 60)
 
     def kill9(self) -> int | None:
@@ -338,7 +395,8 @@ class Sidecar:
         if self._proc is None:
             return None
         if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)  # the sidecar's own pid, also under a profiler
         return self._proc.wait(10)
 
     def output_tail(self, n: int = 30) -> str:

@@ -99,6 +99,7 @@ class KeyState:
         "counted_ready",
         "cursor",
         "dead_lettering",
+        "finishing_through",
         "gap_missing",
         "gap_since",
         "heap",
@@ -125,6 +126,9 @@ class KeyState:
         self.index: dict[Any, Entry] = {}  # sequence mode: seq -> Entry for every entry the key still holds
         self.late: deque[Entry] = deque()  # late messages to deliver (on_late: deliver)
         self.out: list[Entry] = []
+        self.finishing_through: Any = None
+        """sequence mode: a position P such that, when last looked, every entry of ``out`` up to P was
+        ACKING or DONE (a memo for the cursor an ack gives; see ``SequencePolicy.cursor_if_acked``)."""
         self.n_held = 0
         """Entries in HELD (heap and late queue)."""
         self.n_out = 0

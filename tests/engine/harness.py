@@ -18,6 +18,7 @@ from sidecar.engine import (
     Hold,
     Message,
 )
+from sidecar.engine.state import ACKING, DONE
 
 
 def seq_message(key: str, seq: int, *, variant: int = 0, stored_at_ms: int = 0) -> Message:
@@ -46,6 +47,20 @@ def replay_of(message: Message, replay_id: str) -> Message:
     """An operator's replay of ``message`` (a dead letter): same key, position, dedup id and
     content, a new Pub/Sub message id and its own replay id."""
     return replace(message, message_id=f"replay-{replay_id}", replay_id=replay_id)
+
+
+def walked_cursor(engine: Engine, key_name: str) -> object:
+    """The key's cursor once its acking entries are durable, walked from the head of ``out``
+    without the engine's memo (white-box: reads the key's state)."""
+    key = engine._keys[key_name]
+    cursor = key.cursor
+    for handed in key.out:
+        if key.heap and key.heap[0] < handed.pos:
+            break
+        if handed.state not in (ACKING, DONE):
+            break
+        cursor = handed.pos + 1
+    return cursor
 
 
 def identity(message: Message) -> tuple[object, ...]:
@@ -169,6 +184,9 @@ class Harness:
         consumer, delivery = self.in_flight.pop(delivery_id)
         intent = self.engine.ack(consumer, delivery_id, self.now_ms)
         assert intent.message == delivery.message
+        if delivery.message.sequence is not None and not delivery.late and not delivery.replayed:
+            # The cursor an ack gives is memoised across acks; it must equal a walk from the start.
+            assert intent.cursor == walked_cursor(self.engine, delivery.message.key), (intent, delivery)
         self.acking.append(delivery_id)
         self.ack_ids[delivery_id] = identity(delivery.message)
         self.acked_this_life.add(identity(delivery.message))
@@ -314,8 +332,11 @@ class Harness:
         for delivery_id in list(self.in_flight):
             if not self._is_in_flight(delivery_id):
                 _, delivery = self.in_flight.pop(delivery_id)
-                group = (delivery.message.key, delivery.delivery_id) if delivery.late or self.config.mode == "none" \
+                group = (
+                    (delivery.message.key, delivery.delivery_id)
+                    if delivery.late or self.config.mode == "none"
                     else delivery.message.key
+                )
                 first = vanished.get(group)
                 if first is None or position(delivery.message) < position(first.message):  # type: ignore[operator]
                     vanished[group] = delivery
