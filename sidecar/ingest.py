@@ -135,6 +135,8 @@ class IngestCounters:
     """Pub/Sub deliveries handed to the callback (redeliveries included)."""
     fast_path: int = 0
     """Messages handed to the runtime's in-order fast path: delivered without a document."""
+    deferred: int = 0
+    """Messages that waited for a persist of their key in progress before trying the fast path again."""
     malformed: int = 0
     duplicates: int = 0
     persisted: int = 0
@@ -163,6 +165,8 @@ class _Item:
 
     message: PubsubMessage
     incoming: IncomingMessage
+    deferred: bool = False
+    """It already waited once for its key's persist (``Ingestor._defer``): never twice."""
 
 
 class Ingestor:
@@ -231,8 +235,13 @@ class Ingestor:
         """``_pull`` as an asyncio future; it ends cancelled after our own ``_pull.cancel()``."""
         self._worker: asyncio.Task[None] | None = None
         self._pending: collections.deque[_Item] = collections.deque()
+        """Received, not yet sorted (``_sort_pending``): fast path, deferred, or to store."""
         self._pending_bytes = 0
-        self._pending_wake = asyncio.Event()
+        self._to_store: collections.deque[_Item] = collections.deque()
+        """Sorted, waiting for a persist slot."""
+        self._wake = asyncio.Event()
+        """Set when the batch loop may have work: a message received, a persist slot freed,
+        deferred messages back."""
         self._batch_full = asyncio.Event()
         self._persist_slots = asyncio.Semaphore(max_concurrent_persists)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -247,6 +256,10 @@ class Ingestor:
         """Fast-path messages (``runtime.take_fast``) by ``id`` of the engine's message: their Pub/Sub
         ack waits for ``runtime.on_volatile_settled``."""
         runtime.on_volatile_settled = self._settled
+        self._persisting: collections.Counter[str] = collections.Counter()
+        """Keys with messages in a persist in progress (fast path only): how many."""
+        self._deferred: dict[str, list[_Item]] = {}
+        """Messages waiting, by key, for the persists of their key in progress (``_defer``)."""
         self._consecutive_failures = 0
         self._task_failure: BaseException | None = None
         self._paused = False
@@ -448,43 +461,61 @@ class Ingestor:
             return
         self._pending.append(_Item(message=message, incoming=result))
         self._pending_bytes += len(message.data)
-        self._pending_wake.set()
+        self._wake.set()
         if len(self._pending) >= self._max_batch_messages or self._pending_bytes >= self._max_batch_bytes:
             self._batch_full.set()
 
     # ---- batching and persisting -----------------------------------------------------------
 
     async def _batch_loop(self) -> None:
+        """Sort what was received (fast path, deferred, to store) and start persists while a slot
+        is free. A fast-path message never waits for a persist slot: only what must be stored does."""
         while True:
-            await self._pending_wake.wait()
-            if not self._batch_full.is_set() and self._batch_window_seconds > 0:
-                try:
-                    await asyncio.wait_for(self._batch_full.wait(), self._batch_window_seconds)
-                except TimeoutError:
-                    pass
-            await self._maybe_wait_while_over_limit()
-            await self._persist_slots.acquire()
-            batch = self._take_batch()
-            if not batch:
-                self._persist_slots.release()
+            if not self._pending and not self._can_store():
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            self._spawn(self._persist_batch(batch), release_slot=True)
+            if self._pending:
+                if not self._batch_full.is_set() and self._batch_window_seconds > 0:
+                    try:
+                        await asyncio.wait_for(self._batch_full.wait(), self._batch_window_seconds)
+                    except TimeoutError:
+                        pass
+                await self._maybe_wait_while_over_limit()
+                self._sort_pending()
+            if self._can_store():
+                await self._persist_slots.acquire()  # free: at once
+                self._spawn(self._persist_batch(self._take_batch()), release_slot=True)
+
+    def _can_store(self) -> bool:
+        return bool(self._to_store) and not self._persist_slots.locked()
+
+    def _sort_pending(self) -> None:
+        """Everything received goes to the fast path or waits behind its key's persist (``_defer``), or
+        is queued to be stored."""
+        batch = list(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._batch_full.clear()
+        if not (self._fast_path and self._runtime.is_ready):
+            self._to_store.extend(batch)
+            return
+        rest = self._defer(self._take_fast(batch))
+        # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
+        self._persisting.update(item.incoming.key for item in rest)
+        self._to_store.extend(rest)
 
     def _take_batch(self) -> list[_Item]:
+        """The next batch to store: up to ``max_batch_messages`` and ``max_batch_bytes``."""
         batch: list[_Item] = []
         size = 0
-        while self._pending and len(batch) < self._max_batch_messages:
-            item_size = len(self._pending[0].message.data)
+        to_store = self._to_store
+        while to_store and len(batch) < self._max_batch_messages:
+            item_size = len(to_store[0].message.data)
             if batch and size + item_size > self._max_batch_bytes:
                 break
-            item = self._pending.popleft()
-            batch.append(item)
+            batch.append(to_store.popleft())
             size += item_size
-        self._pending_bytes -= size
-        if len(self._pending) < self._max_batch_messages and self._pending_bytes < self._max_batch_bytes:
-            self._batch_full.clear()
-        if not self._pending:
-            self._pending_wake.clear()
         return batch
 
     async def _maybe_wait_while_over_limit(self) -> None:
@@ -510,8 +541,14 @@ class Ingestor:
     def _take_fast(self, batch: list[_Item]) -> list[_Item]:
         """Hand in-order messages to the runtime's fast path (nothing written); the rest is stored.
         Not messages with a Pub/Sub ordering key: the client gives the callback the next message of
-        such a key only once this one is acked, and a fast-path ack waits for a checkpoint."""
-        candidates = [item for item in batch if not item.incoming.ordering_key]
+        such a key only once this one is acked, and a fast-path ack waits for a checkpoint.
+
+        Offered by key and sequence, so that a message and its successor swapped in one pull batch
+        both take the fast path (in arrival order the successor would find its predecessor missing)."""
+        candidates = sorted(
+            (item for item in batch if not item.incoming.ordering_key),
+            key=lambda item: (item.incoming.key, item.incoming.sequence or 0),
+        )
         taken = self._runtime.take_fast([item.incoming for item in candidates])
         fast = {id(item): message for item, message in zip(candidates, taken, strict=True) if message is not None}
         for item in candidates:
@@ -532,12 +569,54 @@ class Ingestor:
         else:
             self._nack(pubsub)
 
+    def _defer(self, batch: list[_Item]) -> list[_Item]:
+        """Keep back, once, a message whose key has a persist in progress: its predecessor may be in
+        it, and once stored the predecessor makes it the next in order, so it can take the fast
+        path then instead of being stored now. It waits no longer than being stored would take
+        (one persist), and a hot key with one message stored does not store every later one while
+        that persist is under way. Returns what to store now."""
+        persisting = self._persisting
+        rest: list[_Item] = []
+        for item in batch:
+            key = item.incoming.key
+            if (
+                not item.deferred
+                and persisting[key]
+                and item.incoming.sequence is not None
+                and not item.incoming.ordering_key
+            ):
+                item.deferred = True
+                self._deferred.setdefault(key, []).append(item)
+                self.counters.deferred += 1
+            else:
+                rest.append(item)
+        return rest
+
+    def _persisted(self, batch: list[_Item]) -> None:
+        """A persist of ``batch`` ended: messages deferred behind it go back to the front of the queue."""
+        persisting = self._persisting
+        back: list[_Item] = []
+        for item in batch:
+            key = item.incoming.key
+            if key not in persisting:
+                continue  # sorted while the fast path was off
+            persisting[key] -= 1
+            if persisting[key] <= 0:
+                del persisting[key]
+                back += self._deferred.pop(key, ())
+        if back and not self._stopping:
+            self._pending.extendleft(reversed(back))
+            self._pending_bytes += sum(len(item.message.data) for item in back)
+            self._wake.set()
+
     async def _persist_batch(self, batch: list[_Item]) -> None:
         self.counters.persist_batches += 1
-        if self._fast_path and self._runtime.is_ready:
-            batch = self._take_fast(batch)
-            if not batch:
-                return
+        try:
+            await self._store_batch(batch)
+        finally:
+            self._persisted(batch)
+
+    async def _store_batch(self, batch: list[_Item]) -> None:
         # Several pods: a message whose key this pod does not deliver is stored for its owner
         # (``to_owner``: the owner's Listen picks it up). One whose key it delivers is handed to the
         # runtime after the write only if the lease is still held at the same epoch; otherwise the
@@ -556,7 +635,7 @@ class Ingestor:
             # Which message the store refused is unknown: try each alone, so one bad message
             # neither poisons its batch mates nor returns forever.
             for item in batch:
-                await self._persist_batch([item])
+                await self._store_batch([item])
             return
         except StoreError as exc:
             self._on_persist_failed(batch, exc)
@@ -710,8 +789,7 @@ class Ingestor:
         self._nack_timers.clear()
         ack_ids = list(self._unsettled)
         self._unsettled.clear()
-        self._pending.clear()
-        self._pending_bytes = 0
+        self._forget_queued()
         subscriber = self._subscriber
         if not ack_ids or subscriber is None:
             return
@@ -739,9 +817,16 @@ class Ingestor:
         messages = list(self._unsettled.values())
         for message in messages:
             self._nack(message)
+        self._forget_queued()
+        return len(messages)
+
+    def _forget_queued(self) -> None:
+        """Everything queued is given back (it is all in ``_unsettled``)."""
         self._pending.clear()
         self._pending_bytes = 0
-        return len(messages)
+        self._to_store.clear()
+        self._deferred.clear()
+        self._persisting.clear()
 
     def _abort(self) -> None:
         """Immediate teardown after a failure or cancellation: no draining, everything given back."""
@@ -764,6 +849,7 @@ class Ingestor:
             self._tasks.discard(finished)
             if release_slot:
                 self._persist_slots.release()
+                self._wake.set()
             if not finished.cancelled() and finished.exception() is not None:
                 # A bug (the store contract or the runtime broke): fail run() loudly.
                 _LOGGER.critical("ingest of %s: task failed", self.name, exc_info=finished.exception())
