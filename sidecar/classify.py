@@ -208,19 +208,21 @@ def parse_timestamp_ms(attribute: str, value: str | None) -> int | Malformed:
 
 def fingerprint(data: bytes, attributes: Mapping[str, str], ordering_key: str) -> bytes:
     """16 bytes identifying the publisher-controlled content of a message."""
-    digest = hashlib.sha256(b"pubsub-sidecar/fingerprint/v1\x00")
-    _feed(digest, data)
-    _feed(digest, ordering_key.encode("utf-8", "surrogatepass"))
-    digest.update(len(attributes).to_bytes(8, "big"))
+    # Each part with its length before it (8 bytes, big-endian), hashed in one call: the same
+    # digest as feeding them one by one, at a fraction of the calls on the per-message path.
+    parts = [_FINGERPRINT_PREFIX, *_framed(data), *_framed(ordering_key.encode("utf-8", "surrogatepass"))]
+    parts.append(len(attributes).to_bytes(8, "big"))
     for name in sorted(attributes):
-        _feed(digest, name.encode("utf-8", "surrogatepass"))
-        _feed(digest, attributes[name].encode("utf-8", "surrogatepass"))
-    return digest.digest()[:16]
+        parts += _framed(name.encode("utf-8", "surrogatepass"))
+        parts += _framed(attributes[name].encode("utf-8", "surrogatepass"))
+    return hashlib.sha256(b"".join(parts)).digest()[:16]
 
 
-def _feed(digest: hashlib._Hash, part: bytes) -> None:
-    digest.update(len(part).to_bytes(8, "big"))
-    digest.update(part)
+_FINGERPRINT_PREFIX = b"pubsub-sidecar/fingerprint/v1\x00"
+
+
+def _framed(part: bytes) -> tuple[bytes, bytes]:
+    return len(part).to_bytes(8, "big"), part
 
 
 def _missing_or_empty(attrs: Mapping[str, str], name: str) -> str:

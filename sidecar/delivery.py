@@ -425,19 +425,19 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
 
 
 def _responses(deliveries: list[Deliver], confirmations: list[str]) -> list[sidecar_pb2.SubscribeResponse]:
-    """Pack messages into responses under ``_MAX_RESPONSE_BYTES``; confirmations ride on the first."""
-    responses: list[sidecar_pb2.SubscribeResponse] = []
-    batch: list[sidecar_pb2.OrderedMessage] = []
+    """Pack messages into responses under ``_MAX_RESPONSE_BYTES``; confirmations ride on the first.
+    Each message is built in place in its response (``messages.add``): no copy of its payload."""
+    response = sidecar_pb2.SubscribeResponse()
+    responses = [response]
     batch_bytes = 0
     for delivery in deliveries:
         size = _estimated_size(delivery)
-        if batch and batch_bytes + size > _MAX_RESPONSE_BYTES:
-            responses.append(sidecar_pb2.SubscribeResponse(messages=batch))
-            batch, batch_bytes = [], 0
-        batch.append(_ordered_message(delivery))
+        if batch_bytes and batch_bytes + size > _MAX_RESPONSE_BYTES:
+            response = sidecar_pb2.SubscribeResponse()
+            responses.append(response)
+            batch_bytes = 0
+        _fill_ordered_message(response.messages.add(), delivery)
         batch_bytes += size
-    if batch or not responses:
-        responses.append(sidecar_pb2.SubscribeResponse(messages=batch))
     if confirmations:
         responses[0].ack_confirmations.extend(confirmations)
     return responses
@@ -453,28 +453,32 @@ def _estimated_size(delivery: Deliver) -> int:
     return size + 16 * len(delivery.skipped)
 
 
-def _ordered_message(delivery: Deliver) -> sidecar_pb2.OrderedMessage:
+def _fill_ordered_message(proto: sidecar_pb2.OrderedMessage, delivery: Deliver) -> None:
     message = delivery.message
     payload = message.payload
-    proto = sidecar_pb2.OrderedMessage(
-        delivery_id=delivery.delivery_id,
-        key=message.key,
-        message_id=message.message_id,
-        dedup_id=message.dedup_id,
-        sequence=message.sequence or 0,
-        delivery_attempt=delivery.attempt,
-        late=delivery.late,
-        replayed=delivery.replayed,
-        skipped=[sidecar_pb2.SkippedRange(first=r.first, last=r.last) for r in delivery.skipped],
-        epoch=delivery.epoch,
-    )
+    proto.delivery_id = delivery.delivery_id
+    proto.key = message.key
+    proto.message_id = message.message_id
+    proto.dedup_id = message.dedup_id
+    proto.sequence = message.sequence or 0
+    proto.delivery_attempt = delivery.attempt
+    proto.late = delivery.late
+    proto.replayed = delivery.replayed
+    proto.epoch = delivery.epoch
+    for skipped in delivery.skipped:
+        proto.skipped.add(first=skipped.first, last=skipped.last)
     if payload is not None:
         proto.data = payload.data
         proto.attributes.update(payload.attributes)
-        proto.publish_time.CopyFrom(_timestamp(payload.publish_time_ms))
+        _set_timestamp(proto.publish_time, payload.publish_time_ms)
     if message.timestamp_ms is not None:
-        proto.event_time.CopyFrom(_timestamp(message.timestamp_ms))
-    return proto
+        _set_timestamp(proto.event_time, message.timestamp_ms)
+
+
+def _set_timestamp(target: timestamp_pb2.Timestamp, ms: int) -> None:
+    seconds, millis = divmod(ms, 1000)
+    target.seconds = seconds
+    target.nanos = millis * 1_000_000
 
 
 def _timestamp(ms: int) -> timestamp_pb2.Timestamp:
