@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from ingest_harness import IngestHarness
@@ -115,3 +117,82 @@ async def test_the_fast_path_is_off_when_the_config_says_so(make_harness: MakeHa
     await h.publish_order("A", 1)
     await wait_until(lambda: h.counters.persisted == 1, "stored")
     assert h.counters.fast_path == 0
+
+
+def _gate_persists(h: IngestHarness) -> asyncio.Event:
+    """Hold every persist of ``h``'s store until the returned event is set (a slow store)."""
+    gate = asyncio.Event()
+    persist = h.store.persist
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()
+        return await persist(*args, **kwargs)
+
+    h.store.persist = slow  # type: ignore[method-assign]
+    return gate
+
+
+async def test_a_message_behind_its_keys_persist_waits_for_it_then_takes_the_fast_path(
+    make_harness: MakeHarness,
+) -> None:
+    h = make_harness(fast_path=True)
+    await h.setup()
+    gate = _gate_persists(h)
+    await h.start_ingest()
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.persist_batches == 1, "2 (beyond a gap) being stored")
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 1, "1 takes the fast path at once")
+    await h.publish_order("A", 3)
+    await wait_until(lambda: h.counters.deferred == 1, "3 waits for 2's persist instead of being stored")
+    assert (h.counters.fast_path, h.counters.persisted, h.counters.persist_batches) == (1, 0, 1)
+    gate.set()
+    await wait_until(lambda: h.counters.fast_path == 2, "3 takes the fast path once 2 is stored")
+    assert (h.counters.persisted, h.counters.persist_batches) == (1, 1), "only 2 was written"
+    assert [m.sequence for m in await h.stored_pending()] == [2]
+    assert h.runtime is not None
+    for seq, volatile in ((1, True), (2, False), (3, True)):
+        (delivered,) = await _take(h, 1)
+        assert (delivered.message.sequence, delivered.message.volatile) == (seq, volatile)
+        await h.runtime.ack("app", [delivered.delivery_id])
+    await wait_until(lambda: h.counters.acked == 3, "all three acked in Pub/Sub once durable")
+
+
+async def test_a_message_waits_for_its_keys_persist_only_once(make_harness: MakeHarness) -> None:
+    h = make_harness(fast_path=True)
+    await h.setup()
+    gate = _gate_persists(h)
+    await h.start_ingest()
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.persist_batches == 1, "2 being stored")
+    await h.publish_order("A", 4)  # 3 never comes: 4 cannot take the fast path, even after 2
+    await wait_until(lambda: h.counters.deferred == 1, "4 waits for 2's persist")
+    gate.set()
+    await wait_until(lambda: h.counters.persisted == 2, "then 4 is stored, not deferred again")
+    assert h.counters.deferred == 1 and h.counters.fast_path == 0
+    assert sorted(m.sequence for m in await h.stored_pending()) == [2, 4]
+
+
+async def test_the_fast_path_does_not_wait_for_a_persist_slot(make_harness: MakeHarness) -> None:
+    h = make_harness(fast_path=True, max_concurrent_persists=1)
+    await h.setup()
+    gate = _gate_persists(h)
+    await h.start_ingest()
+    await h.publish_order("B", 5)
+    await wait_until(lambda: h.counters.persist_batches == 1, "B 5 holds the only persist slot")
+    await h.publish_order("A", 1)
+    (delivered,) = await _take(h, 1)
+    assert (delivered.message.key, delivered.message.sequence, delivered.message.volatile) == ("A", 1, True)
+    assert h.counters.persisted == 0, "B 5 is still being stored"
+    gate.set()
+    await wait_until(lambda: h.counters.persisted == 1, "B 5 stored")
+
+
+async def test_a_swapped_pair_in_one_batch_both_take_the_fast_path(make_harness: MakeHarness) -> None:
+    # A window long enough that both arrive in one batch: 2 is offered after 1 although it came first.
+    h = await make_harness(fast_path=True, batch_window_seconds=2.0).start()
+    await h.publish_order("A", 2)
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path + h.counters.persisted == 2, "both taken")
+    assert (h.counters.fast_path, h.counters.persisted) == (2, 0)
+    assert [d.message.sequence for d in await _take(h, 1)] == [1]
