@@ -7,8 +7,9 @@ Rules (G1 in DESIGN §1 depends on each of them):
   dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good). Nothing is
   ever acked on a failure path, and nothing is ever dropped: a message not acked is nacked or left
   to its lease, and Pub/Sub delivers it again.
-- **Threads.** The subscriber's callback runs on the client's threads and only hands the message to
-  the event loop with ``loop.call_soon_threadsafe``. Everything else happens on the loop.
+- **Threads.** The subscriber's callback runs on the event loop: ``LoopScheduler``
+  (``sidecar.ingest_scheduler``) takes the messages from the client's threads and runs the callbacks on
+  the loop, many per wake-up. Everything happens on the loop but the client's own work.
 - **Store failure: nack after a backoff.** FAILED results and ``StoreError`` keep the message leased
   for a capped exponential backoff (with jitter, growing with consecutive failed batches), then nack
   it so that Pub/Sub redelivers it at once. Chosen over letting the lease lapse because the lease
@@ -38,8 +39,8 @@ Rules (G1 in DESIGN §1 depends on each of them):
   finish within the grace period and acks what they made safe, stops the streaming pull (the client
   sends queued acks before its dispatcher stops), and then nacks everything else it holds with its
   own ModifyAckDeadline calls: nacked on the open stream, they would come straight back to it.
-- Payloads never appear in logs; ids, counts and reasons do. Only this module and
-  ``sidecar.deadletter`` import Pub/Sub.
+- Payloads never appear in logs; ids, counts and reasons do. Only this module (with its scheduler,
+  ``sidecar.ingest_scheduler``, which it alone uses) and ``sidecar.deadletter`` import Pub/Sub.
 
 Known limit: the Python client hands messages that carry a Pub/Sub ``ordering_key`` to the callback
 one per ordering key at a time, until the previous one is acked or nacked. Such keys therefore
@@ -69,6 +70,7 @@ from sidecar.classify import Malformed, classify
 from sidecar.config import SequenceOrdering, SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
+from sidecar.ingest_scheduler import LoopScheduler
 from sidecar.runtime import SubscriptionRuntime
 from sidecar.store.api import IncomingMessage, PersistOutcome, Store, StoreError, StoreRejected
 
@@ -230,6 +232,7 @@ class Ingestor:
         self.counters = IngestCounters()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pull: StreamingPullFuture | None = None
+        self._scheduler: LoopScheduler | None = None
         self._stream_threads: list[threading.Thread] = []
         self._pull_done: asyncio.Future[Any] | None = None
         """``_pull`` as an asyncio future; it ends cancelled after our own ``_pull.cancel()``."""
@@ -303,12 +306,17 @@ class Ingestor:
             self._subscriber = pubsub_v1.SubscriberClient()
         self._worker = asyncio.create_task(self._batch_loop(), name=f"ingest:{self.name}")
         threads_before = set(threading.enumerate())
+        self._scheduler = LoopScheduler(self._loop)
         self._pull = self._subscriber.subscribe(
             self.subscription_path,
-            callback=self._callback,
+            callback=self._on_message,
             flow_control=self._flow_control,
-            # The shutdown then waits for callbacks in progress, so that once the pull future is done
-            # every message handed to us has reached _on_message (stop() gives them all back).
+            # Annotated ThreadScheduler, but the manager uses only the abstract Scheduler's
+            # queue/schedule/shutdown, and the docstring asks for any scheduler.
+            scheduler=self._scheduler,  # type: ignore[arg-type]
+            # The shutdown then waits for a run of callbacks the loop is in, so that once the pull
+            # future is done every message handed to us has reached _on_message (stop() gives them
+            # all back); the scheduler returns the rest, and the client nacks those.
             await_callbacks_on_shutdown=True,
         )
         # subscribe() starts the stream's reader thread before it returns: the one new thread of that
@@ -428,14 +436,20 @@ class Ingestor:
             return False
         return True
 
-    # ---- receiving (callback thread -> loop) -----------------------------------------------
+    @property
+    def handoff_runs(self) -> int:
+        """Times the loop took received messages from the client's threads (one wake-up each)."""
+        return 0 if self._scheduler is None else self._scheduler.runs
 
-    def _callback(self, message: PubsubMessage) -> None:
-        """Runs on a client thread: only hands over to the loop."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._on_message, message)
+    @property
+    def handoff_buffered(self) -> int:
+        """Messages the client received and the loop has not taken yet (not yet in ``received``)."""
+        return 0 if self._scheduler is None else self._scheduler.buffered()
+
+    # ---- receiving (on the loop, from LoopScheduler) ---------------------------------------
 
     def _on_message(self, message: PubsubMessage) -> None:
+        """The subscriber's callback; ``LoopScheduler`` runs it on the loop."""
         self.counters.received += 1
         self._unsettled[message.ack_id] = message
         if self._stopping:
