@@ -7,8 +7,9 @@ by the caller; the engine never reads a clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar, dataclass_transform
 
 Mode = Literal["sequence", "watermark", "none"]
 GapPolicy = Literal["hold", "skip"]
@@ -16,8 +17,23 @@ LatePolicy = Literal["dead_letter", "deliver"]
 DeadLetterPolicy = Literal["block", "skip"]
 ReplayBehindPolicy = Literal["deliver_flagged", "refuse"]
 
+_T = TypeVar("_T")
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def record(cls: type[_T]) -> type[_T]:
+    """A frozen dataclass with slots to the type checker, built without the frozen ``__init__``.
+
+    For the records made once or more per message (``Message``, ``Payload``, ``Deliver``,
+    ``AckIntent``, ``IncomingMessage``): a frozen dataclass sets each field through
+    ``object.__setattr__`` and costs about five times a plain one to construct. mypy still refuses
+    any assignment to a field (``frozen_default``), equality and hashing are a frozen dataclass's
+    (``unsafe_hash``), so only the run-time guard against mutation is given up."""
+    make: Callable[[type[_T]], type[_T]] = dataclass(slots=True, unsafe_hash=True)
+    return make(cls)
+
+
+@record
 class Payload:
     """What the app receives besides ordering fields. The engine never looks inside."""
 
@@ -32,7 +48,7 @@ class Payload:
     empty): the I/O layer reads them back by ``ref`` before the message reaches the app."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Message:
     """A message the store has made durable, classified by ingest.
 
@@ -91,13 +107,13 @@ class EngineConfig:
 # ---- decisions -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SkippedRange:
     first: int
     last: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Deliver:
     """Send ``message`` to ``consumer`` (a stream) as delivery ``delivery_id``."""
 
@@ -114,7 +130,7 @@ class Deliver:
     """A replay delivered outside its key's order: the key had already passed its position."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DropDuplicate:
     """Already stored, delivered or acked: nothing reaches the app. The I/O layer acks Pub/Sub."""
 
@@ -153,7 +169,7 @@ Action = Deliver | DropDuplicate | DeadLetter | Hold
 # ---- ack bookkeeping -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AckIntent:
     """An app ack accepted by the engine, to be made durable by the store before it counts.
 

@@ -13,7 +13,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sidecar.engine.types import AckIntent, DeadLetterPolicy, EngineSnapshot, KeyCursor, Message, Mode, Payload
+from sidecar.engine.types import (
+    AckIntent,
+    DeadLetterPolicy,
+    EngineSnapshot,
+    KeyCursor,
+    Message,
+    Mode,
+    Payload,
+    record,
+)
 from sidecar.shards import MAX_SHARDS
 
 DEAD_LETTERED = "dead_lettered"
@@ -75,7 +84,7 @@ class SubscriptionStoreConfig:
             raise ValueError(f"shards: must be an integer 1..{MAX_SHARDS}, got {self.shards!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class IncomingMessage:
     """A Pub/Sub message classified by ingest (key, position, dedup id), ready to persist."""
 
