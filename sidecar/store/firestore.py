@@ -18,8 +18,9 @@ precondition) -> ``documents.PreconditionFailed``; anything else (permission, mi
 to the caller as a delta; the official sync client's ``Watch`` rebuilds its whole result set per
 snapshot on a thread of its own, which a backlog in an inbox made the sidecar's main cost.
 
-**Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BeginTransaction,
-BatchGetDocuments of the fence documents inside it, compare, then Commit with the transaction id
+**Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BatchGetDocuments
+of the fence documents begins it (``new_transaction``; its id rides on the first response, so no
+BeginTransaction round trip), compare, then Commit with the transaction id
 (or Rollback and ``documents.Fenced``). Sound with Firestore's primitives because read-write
 transactions are serializable: a Commit that succeeds read each fence document at a version that no
 later committed write preceded, so a lease that changed hands before the Commit fails the
@@ -51,7 +52,6 @@ from google.cloud import firestore
 from google.cloud.firestore_v1.types import (
     BatchGetDocumentsRequest,
     BatchWriteRequest,
-    BeginTransactionRequest,
     CommitRequest,
     Document,
     ListenRequest,
@@ -59,7 +59,6 @@ from google.cloud.firestore_v1.types import (
     RunQueryRequest,
     StructuredQuery,
     Target,
-    TransactionOptions,
     Value,
     Write,
 )
@@ -127,6 +126,13 @@ class _Reference:
     """A document name as a query cursor value (``reference_value``)."""
 
     name: str
+
+
+@dataclass(slots=True)
+class _Began:
+    """The id of a transaction a read began (``new_transaction``); empty until its first response."""
+
+    transaction: bytes = b""
 
 
 def _set_value(target: Any, value: Any) -> None:
@@ -253,9 +259,12 @@ class FirestoreDocuments:
         for attempt in range(_FENCE_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(_fence_backoff_seconds(attempt - 1))
-            transaction = await self._begin(retry_of)
+            began = _Began()
             try:
-                found = await self._batch_get(paths, transaction)
+                # The fence reads begin the transaction (``new_transaction``): two round trips a
+                # Commit, not three with a BeginTransaction first.
+                found = await self._batch_get(paths, b"", began=began, retry_of=retry_of)
+                transaction = began.transaction
                 failed = docs.failed_fences(fences, found)
                 if failed:
                     await self._rollback(transaction)
@@ -273,32 +282,18 @@ class FirestoreDocuments:
             except core_exceptions.Aborted as exc:
                 # Usually the server ended it already; a Rollback makes sure no read of it lingers
                 # (an abandoned transaction holds its reads until it expires). The retry keeps its age.
-                aborted, retry_of = exc, transaction
-                await self._rollback(transaction)
+                aborted, retry_of = exc, began.transaction
+                await self._rollback(began.transaction)
             except (*_RETRYABLE, *_TERMINAL) as exc:
-                await self._rollback(transaction)
+                await self._rollback(began.transaction)
                 raise _translate(exc, "fenced commit") from exc
         raise docs.Unavailable(f"fenced commit: transaction aborted {_FENCE_ATTEMPTS} times: {aborted}")
 
-    async def _begin(self, retry_of: bytes) -> bytes:
-        options = TransactionOptions.pb()()
-        options.read_write.SetInParent()
-        if retry_of:
-            options.read_write.retry_transaction = retry_of
-        request = BeginTransactionRequest.pb()(database=self._database, options=options)
-        try:
-            response = await self.client._firestore_api.begin_transaction(
-                request=BeginTransactionRequest.wrap(request),
-                metadata=self.client._rpc_metadata,
-                retry=_READ_RETRY,
-                timeout=self._timeout,
-            )
-        except (*_RETRYABLE, *_TERMINAL) as exc:
-            raise _translate(exc, "begin transaction") from exc
-        return bytes(response.transaction)
-
     async def _rollback(self, transaction: bytes) -> None:
-        """Best effort: an abandoned transaction also ends by itself when it expires."""
+        """Best effort: an abandoned transaction also ends by itself when it expires (as does one
+        whose id never came back)."""
+        if not transaction:
+            return
         request = RollbackRequest.pb()(database=self._database, transaction=transaction)
         try:
             await self.client._firestore_api.rollback(
@@ -331,21 +326,31 @@ class FirestoreDocuments:
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "read") from exc
 
-    async def _batch_get(self, paths: Sequence[str], transaction: bytes) -> dict[str, docs.Fields | None]:
-        """BatchGetDocuments (inside ``transaction`` when given: not retried, its ABORTED ends it)."""
+    async def _batch_get(
+        self, paths: Sequence[str], transaction: bytes, *, began: _Began | None = None, retry_of: bytes = b""
+    ) -> dict[str, docs.Fields | None]:
+        """BatchGetDocuments (inside ``transaction`` when given: not retried, its ABORTED ends it).
+        With ``began``: in a new read-write transaction (retrying ``retry_of`` if given), whose id
+        the first response carries and ``began`` keeps; not retried either."""
         names = {self._name(path): path for path in paths}
         request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
         if transaction:
             request.transaction = transaction
+        elif began is not None:
+            request.new_transaction.read_write.SetInParent()
+            if retry_of:
+                request.new_transaction.read_write.retry_transaction = retry_of
         found: dict[str, docs.Fields | None] = {}
         stream = await self.client._firestore_api.batch_get_documents(
             request=BatchGetDocumentsRequest.wrap(request),
             metadata=self.client._rpc_metadata,
-            retry=None if transaction else _READ_RETRY,
+            retry=None if transaction or began is not None else _READ_RETRY,
             timeout=self._timeout,
         )
         async for response in stream:
             raw = response._pb
+            if began is not None and raw.transaction:
+                began.transaction = bytes(raw.transaction)
             if raw.HasField("found"):
                 fields = {name: _get_value(value) for name, value in raw.found.fields.items()}
                 found[names[raw.found.name]] = fields

@@ -78,9 +78,9 @@ async def test_a_lease_taken_between_the_fence_read_and_the_commit_fails_the_com
     read_in_transaction = documents_._batch_get
     taken = asyncio.Event()
 
-    async def read_then_steal(paths, transaction):
-        found = await read_in_transaction(paths, transaction)
-        if transaction and not taken.is_set():
+    async def read_then_steal(paths, transaction, **new_transaction):
+        found = await read_in_transaction(paths, transaction, **new_transaction)
+        if (transaction or new_transaction) and not taken.is_set():
             taken.set()
             await client_of(store).document(_lease(0)).set({"owner": "pod-b", "epoch": 8})
         return found
@@ -100,9 +100,9 @@ async def test_a_commit_that_stays_aborted_is_unavailable(make_store, monkeypatc
     read_in_transaction = documents_._batch_get
     epoch = iter(range(100, 200))
 
-    async def read_then_touch(paths, transaction):
-        found = await read_in_transaction(paths, transaction)
-        if transaction:  # every attempt: the lease changes (a renewal) after it was read
+    async def read_then_touch(paths, transaction, **new_transaction):
+        found = await read_in_transaction(paths, transaction, **new_transaction)
+        if transaction or new_transaction:  # every attempt: the lease changes (a renewal) after it was read
             await client_of(store).document(_lease(0)).update({"beat": next(epoch)})
         return found
 
