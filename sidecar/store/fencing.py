@@ -155,8 +155,10 @@ class ShardWriter:
         return lost
 
     async def flush(self, sub: Subscription, now_ms: int) -> set[int]:
-        """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost."""
-        shards = sorted(sub.book.dirty_shards() | sub.stale)
+        """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost.
+        Only shards whose checkpoint is due: a shard written less than an interval ago would cost a
+        fence read and write nothing."""
+        shards = sorted(shard for shard in sub.book.dirty_shards() | sub.stale if self._due(sub, shard, now_ms))
         lost: set[int] = set()
         for start in range(0, len(shards), _SHARDS_PER_FLUSH_COMMIT):
             await self._commit(sub, [], set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT]), now_ms, lost)
@@ -245,11 +247,15 @@ class ShardWriter:
         lagging = (sub.book.dirty_shards(proposed) | sub.stale) & shards
         out: list[int] = []
         for shard in sorted(lagging):
-            last = sub.checkpoint_written_ms.get(shard)
-            if last is None or now_ms - last >= self._interval_ms:
+            if self._due(sub, shard, now_ms):
                 out.append(shard)
             sub.stale.add(shard)  # until the Commit that writes it succeeds
         return out
+
+    def _due(self, sub: Subscription, shard: int, now_ms: int) -> bool:
+        """Whether ``shard``'s checkpoint may be written now: at most once per interval."""
+        last = sub.checkpoint_written_ms.get(shard)
+        return last is None or now_ms - last >= self._interval_ms
 
     def next_due_ms(self, sub: Subscription, now_ms: int) -> int | None:
         """When the first checkpoint that acks wait for is due (None: no ack waits for one)."""
