@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import grpc
 import pytest
-from delivery_harness import Harness, Subscriber
+from delivery_harness import WAIT_SECONDS, Harness, Subscriber
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.delivery import MAX_OUTSTANDING_LIMIT
@@ -92,9 +93,14 @@ async def test_ack_and_nack_of_unknown_ids_are_counted_and_ignored(harness: Harn
 
 
 async def test_ack_of_another_streams_delivery_is_ignored(harness: Harness) -> None:
-    owner = await harness.subscribe("orders")
-    other = await harness.subscribe("orders")
+    first = await harness.subscribe("orders")
+    second = await harness.subscribe("orders")
     await harness.publish("orders", [("k", 1)])
+    # Either open stream may get the message: the one that did owns it.
+    async with asyncio.timeout(WAIT_SECONDS):
+        while not first.received and not second.received:
+            await asyncio.sleep(0.01)
+    owner, other = (first, second) if first.received else (second, first)
     (message,) = await owner.next_messages(1)
 
     await other.ack([message.delivery_id])
