@@ -95,11 +95,11 @@ async def test_ack_and_nack_of_unknown_ids_are_counted_and_ignored(harness: Harn
 async def test_ack_of_another_streams_delivery_is_ignored(harness: Harness) -> None:
     first = await harness.subscribe("orders")
     second = await harness.subscribe("orders")
+    arrived = asyncio.Event()
+    first.on_message = second.on_message = lambda _message: arrived.set()
     await harness.publish("orders", [("k", 1)])
     # Either open stream may get the message: the one that did owns it.
-    async with asyncio.timeout(WAIT_SECONDS):
-        while not first.received and not second.received:
-            await asyncio.sleep(0.01)
+    await asyncio.wait_for(arrived.wait(), WAIT_SECONDS)
     owner, other = (first, second) if first.received else (second, first)
     (message,) = await owner.next_messages(1)
 
