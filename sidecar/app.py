@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import secrets
@@ -260,6 +261,7 @@ class Sidecar:
             _LOGGER.info(
                 "sidecar ready: %d subscriptions, gRPC on %s, HTTP on %s", len(subs), grpc_address, http_address
             )
+            _freeze_recovered_objects()
 
         stop_wait = asyncio.ensure_future(self._stop.wait())
         try:
@@ -286,12 +288,27 @@ class Sidecar:
         loaded = asyncio.ensure_future(asyncio.gather(*settled))
         stop_wait = asyncio.ensure_future(self._stop.wait())
         try:
-            await asyncio.wait({loaded, stop_wait, *self._watchers}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {loaded, stop_wait, *self._watchers}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop_wait.cancel()
             if not loaded.done():
                 loaded.cancel()
         return loaded.done() and not loaded.cancelled() and all(loaded.result())
+
+
+def _freeze_recovered_objects() -> None:
+    """What recovery loaded (up to hundreds of thousands of held messages) lives until delivered:
+    moved out of the collector's generations, so that no later collection walks it again (each
+    full collection would, for nothing). One collection first, so that no garbage of the start-up
+    is kept for good; frozen objects are still freed by reference counting as usual."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    _LOGGER.info(
+        "recovered objects frozen out of garbage collection",
+        extra={"objects": gc.get_freeze_count(), "seconds": round(time.perf_counter() - started, 3)},
+    )
 
 
 def pod_identity() -> str:
