@@ -7,8 +7,9 @@ Start: store and dead-letter publisher -> one runtime per subscription, each wit
 (``sidecar.leases``) carried out by ``sidecar.ownership`` -> gRPC server (health NOT_SERVING) and
 HTTP endpoint -> runtimes ready (nothing is delivered before a shard is loaded) -> runtimes'
 background work, lease rounds and the Listen on the lease documents -> ingest and watermark sources
--> health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on ADDR, HTTP on ADDR``
-(with the bound ports, so port 0 works). Shards are loaded as their leases are taken.
+-> once every shard taken in the first lease round is loaded (none taken: that round is done),
+health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on ADDR, HTTP on ADDR``
+(with the bound ports, so port 0 works). Shards taken later are loaded as their leases are taken.
 
 Stop (SIGTERM/SIGINT), all within ``grace_seconds``: /readyz and gRPC health NOT_SERVING -> stop
 pulling (ingest gives back what it did not persist) -> drain the shards (hand out nothing more, wait
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import secrets
@@ -248,10 +250,18 @@ class Sidecar:
                 watchers[asyncio.ensure_future(s.watermark.run())] = f"watermark source of {name}"
             if s.runtime.task is not None:
                 watchers[s.runtime.task] = f"runtime of {name}"
-        await grpc_server.set_serving()
-        readiness.mark_recovered()
-        http_address = f"{self.config.http.rpartition(':')[0]}:{http.bound_port}"
-        _LOGGER.info("sidecar ready: %d subscriptions, gRPC on %s, HTTP on %s", len(subs), grpc_address, http_address)
+        # Ready only once every shard of the first lease round is loaded, however long that takes:
+        # before, the app would connect to a sidecar that has nothing of those shards to deliver.
+        # A stuck load is liveness's to catch (``RECOVERY_STALL_SECONDS``); a pod that got no lease
+        # is ready after its first round.
+        if await self._first_rounds_loaded(subs):
+            await grpc_server.set_serving()
+            readiness.mark_recovered()
+            http_address = f"{self.config.http.rpartition(':')[0]}:{http.bound_port}"
+            _LOGGER.info(
+                "sidecar ready: %d subscriptions, gRPC on %s, HTTP on %s", len(subs), grpc_address, http_address
+            )
+            _freeze_recovered_objects()
 
         stop_wait = asyncio.ensure_future(self._stop.wait())
         try:
@@ -268,6 +278,37 @@ class Sidecar:
             else:
                 self.failure = RuntimeError(f"{what} ended unexpectedly")
                 _LOGGER.critical("%s ended unexpectedly; stopping", what)
+
+    async def _first_rounds_loaded(self, subs: dict[str, _Subscription]) -> bool:
+        """Wait until every subscription's first lease round is loaded; False when a stop was
+        requested or a component ended first (the caller then stops as usual)."""
+        settled = [s.leases.settled() for s in subs.values() if s.leases is not None]
+        if not settled:
+            return True
+        loaded = asyncio.ensure_future(asyncio.gather(*settled))
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        try:
+            waits: set[asyncio.Future[Any]] = {loaded, stop_wait, *self._watchers}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not loaded.done():
+                loaded.cancel()
+        return loaded.done() and not loaded.cancelled() and all(loaded.result())
+
+
+def _freeze_recovered_objects() -> None:
+    """What recovery loaded (up to hundreds of thousands of held messages) lives until delivered:
+    moved out of the collector's generations, so that no later collection walks it again (each
+    full collection would, for nothing). One collection first, so that no garbage of the start-up
+    is kept for good; frozen objects are still freed by reference counting as usual."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    _LOGGER.info(
+        "recovered objects frozen out of garbage collection",
+        extra={"objects": gc.get_freeze_count(), "seconds": round(time.perf_counter() - started, 3)},
+    )
 
 
 def pod_identity() -> str:

@@ -68,6 +68,7 @@ from sidecar.store.api import (
     DEAD_LETTERED_ASIDE,
     DROPPED,
     IncomingMessage,
+    PayloadBudget,
     ShardLost,
     Store,
     StoreError,
@@ -256,6 +257,10 @@ class SubscriptionRuntime:
         self._recovery_progress_ms: int | None = None
         self.recovered_documents = 0
         """Documents ``load`` has read so far during recovery."""
+        self._loads = 0
+        """Shard loads in progress (``adopt_shard``): liveness watches their progress too."""
+        self._budget: PayloadBudget | None = None
+        """The payload budget the loads in progress share (``_payload_budget``)."""
         self._drops: list[tuple[ShardEngine, Message]] = []
         self._drops_wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -324,6 +329,7 @@ class SubscriptionRuntime:
         self._recovery_started_ms = self._recovery_progress_ms = self._clock()
         if self._shard_count is None:
             await self._load_shard(0, 0, None)
+            self._budget = None
         self._recovered = True
         self._after_change()
 
@@ -339,7 +345,13 @@ class SubscriptionRuntime:
                 return
             self.drop_shard(shard, current.epoch)
         self._recovery_progress_ms = self._clock()
-        await self._load_shard(shard, epoch, frozenset({shard}))
+        self._loads += 1
+        try:
+            await self._load_shard(shard, epoch, frozenset({shard}))
+        finally:
+            self._loads -= 1
+            if not self._loads:
+                self._budget = None  # the next load starts from what the engines hold then
         self.counters.shards_adopted += 1
         self._progress.set()
         self._after_change()
@@ -353,7 +365,7 @@ class SubscriptionRuntime:
         seen = [0]
         extra: dict[str, object] = {} if shards is None else {"shards": shards}
         snapshot = await self._retry_store(
-            self._store.load, progress=progress, max_payload_bytes=self._max_held_bytes, **extra
+            self._store.load, progress=progress, max_payload_bytes=self._payload_budget(), **extra
         )
         now_ms = self._clock()
         engine = Engine.restore(
@@ -374,6 +386,17 @@ class SubscriptionRuntime:
             len(snapshot.pending),
             len(snapshot.cursors),
         )
+
+    def _payload_budget(self) -> PayloadBudget | None:
+        """The payload bytes a load may keep in memory: what ``max_held_bytes`` leaves beside the
+        engines' held messages, shared by every load that runs at the same time (each of 16 shard
+        loads must not keep a whole budget). A retried load is charged again: more of it stripped,
+        never more kept."""
+        if self._max_held_bytes is None:
+            return None
+        if self._budget is None:
+            self._budget = PayloadBudget(self._max_held_bytes - self.held_bytes)
+        return self._budget
 
     def drop_shard(self, shard: int, epoch: int | None = None) -> bool:
         """Stop delivering ``shard`` at once (lost, or handed over): its engine and held messages are
@@ -436,10 +459,11 @@ class SubscriptionRuntime:
         )
 
     def is_live(self) -> bool:
-        """False when recovery has made no progress for ``RECOVERY_STALL_SECONDS`` (or the runtime failed)."""
+        """False when recovery, or a shard load in progress, has made no progress for
+        ``RECOVERY_STALL_SECONDS`` (or the runtime failed)."""
         if self.failure is not None:
             return False
-        if self._recovered or self._recovery_progress_ms is None:
+        if (self._recovered and not self._loads) or self._recovery_progress_ms is None:
             return True
         return self._clock() - self._recovery_progress_ms < RECOVERY_STALL_SECONDS * 1000
 

@@ -75,6 +75,9 @@ for the same leases spread out instead of colliding again."""
 _LEAVE_ATTEMPTS = 3
 """Rounds ``release_all`` tries before it leaves what remains to expire."""
 
+_SETTLED_POLL_SECONDS = 0.02
+"""How often ``settled`` looks: start-up waits on it once, so a poll costs nothing that matters."""
+
 
 def _monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
@@ -157,7 +160,8 @@ class ShardLeases:
         self._timer: asyncio.TimerHandle | None = None
         self._failure: BaseException | None = None
         self._random = random.Random()
-        self._rounds_done = 0
+        self._first_round: dict[int, _Holding] | None = None
+        """The shards held after the first completed round (``settled`` waits for their loads)."""
         self._soon = 0
         """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
         self.stats = LeaseStats()
@@ -188,18 +192,29 @@ class ShardLeases:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poked.wait(), delay_ms / 1000)
 
-    async def settled(self, timeout_seconds: float) -> bool:
-        """Wait until a round has completed and every shard taken so far is loaded; False on timeout.
+    async def settled(self, timeout_seconds: float | None = None) -> bool:
+        """Wait until the first round has completed and every shard it took is loaded (or lost
+        meanwhile); False on timeout (``None``: no bound) or when the manager failed.
 
-        For start-up: ingest then begins with the shards this pod could take at once already
-        delivering here, so a lone pod does not store its first messages for an owner (itself) it
-        has not become yet."""
+        Shards taken by later rounds are not waited for: the first round is what this pod can take
+        at once at start-up, and a pod that got no lease (others hold them all) is settled as soon
+        as that round is done. Readiness waits for this (a stuck load is caught by liveness
+        instead); ingest waits for it, bounded, so that a lone pod does not store its first
+        messages for an owner (itself) it has not become yet."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_seconds
-        while self._rounds_done == 0 or any(h.gaining is not None for h in self._held.values()):
-            if loop.time() >= deadline or self._failure is not None:
+        deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
+        while not self._first_round_loaded():
+            if (deadline is not None and loop.time() >= deadline) or self._failure is not None:
                 return False
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(_SETTLED_POLL_SECONDS)
+        return self._failure is None
+
+    def _first_round_loaded(self) -> bool:
+        if self._first_round is None:
+            return False
+        for shard, holding in self._first_round.items():
+            if self._held.get(shard) is holding and not holding.ready:
+                return False  # still loading (a shard lost or re-taken since is not waited for)
         return True
 
     def poke(self) -> None:
@@ -282,7 +297,8 @@ class ShardLeases:
             if giving:
                 await self._before_giving_up({w.shard for w in giving if w.shard in self._held})
                 conflict |= await self._send(giving)
-            self._rounds_done += 1
+            if self._first_round is None:
+                self._first_round = dict(self._held)
             return conflict
 
     async def _leave_round(self) -> bool:

@@ -60,6 +60,28 @@ class ShardLost(StoreError):
         super().__init__(f"subscription {subscription!r}: lost shard(s) {sorted(self.shards)} to another owner")
 
 
+class PayloadBudget:
+    """Payload bytes that loads may still keep in memory, shared by the loads that run at once
+    (``Store.load``'s ``max_payload_bytes``): past it, pending messages are loaded stripped. Every
+    message's bookkeeping is charged whether its payload is kept or not."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, remaining: int) -> None:
+        self.remaining = remaining
+
+    def charge(self, size: int) -> None:
+        """Bytes that are kept anyway (a message's bookkeeping): may take the budget below zero."""
+        self.remaining -= size
+
+    def take(self, size: int) -> bool:
+        """Keep ``size`` more bytes if they fit; False (nothing taken) when they do not."""
+        if size > self.remaining:
+            return False
+        self.remaining -= size
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class SubscriptionStoreConfig:
     """What the store needs to know about one subscription."""
@@ -177,14 +199,17 @@ class Store(Protocol):
         subscription: str,
         now_ms: int,
         progress: Callable[[int], None] | None = None,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         """Cursors and pending messages, to rebuild the engine before anything is delivered.
         ``shards``: only those shards' keys (a pod that takes shards over loads just them); None: all.
+        Loads of different shards may run at once; a load must not run at the same time as this
+        pod's writes that advance its shards' keys (with fences, the lease being taken refuses them).
         ``progress`` is called with the number of documents read so far, as reading goes on. Past
-        ``max_payload_bytes`` of payloads, pending messages come back stripped (``Payload.stripped``):
-        read them with ``read_payloads`` when they are delivered.
+        ``max_payload_bytes`` of payloads (a ``PayloadBudget``: shared by the loads that run at once),
+        pending messages come back stripped (``Payload.stripped``): read them with ``read_payloads``
+        when they are delivered.
         Raises StoreRejected, naming the document, on a document it cannot read as its own."""
         ...
 

@@ -39,8 +39,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
@@ -49,6 +49,7 @@ from sidecar.store.api import (
     DEAD_LETTERED,
     DEAD_LETTERED_ASIDE,
     IncomingMessage,
+    PayloadBudget,
     PersistResult,
     ShardLost,
     StoreError,
@@ -64,12 +65,24 @@ from sidecar.store.reader import Progress, Reader
 
 _LOGGER = logging.getLogger(__name__)
 
+_A = TypeVar("_A")
+_B = TypeVar("_B")
+
+_LOADS_AT_ONCE = 4
+"""Shard loads reading at once: enough to keep Firestore and the decoding busy together (each load
+runs its three reads at once too), few enough that the pages in memory stay a handful."""
+
 _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+async def _then(first: Awaitable[_A], then: Callable[[_A], Awaitable[_B]]) -> _B:
+    """``then(await first)``: a read that needs another's answer, as one awaitable."""
+    return await then(await first)
 
 
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
@@ -120,6 +133,7 @@ class DocumentStore:
         """Plans the Commits that advance keys (tombstones per Commit: lower only in tests)."""
         self._flush_wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
+        self._load_slots = asyncio.Semaphore(_LOADS_AT_ONCE)
 
     def _sub(self, name: str) -> Subscription:
         sub = self._subscriptions.get(name)
@@ -312,7 +326,7 @@ class DocumentStore:
         subscription: str,
         now_ms: int,
         progress: Progress | None = None,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         sub = self._sub(subscription)
@@ -326,28 +340,51 @@ class DocumentStore:
             if progress is not None:
                 progress(loaded)
 
-        async with sub.lock:
-            wanted = frozenset(range(sub.config.shards)) if shards is None else shards
-            reader = self._reader
+        wanted = frozenset(range(sub.config.shards)) if shards is None else shards
+        budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
+        reader = self._reader
+
+        async def recent(checkpoints: dict[int, int | None]) -> list[tuple[str, dict[str, Any]]]:
+            since = recovery.since_ms(checkpoints.values())
+            ranges = []
+            for shard in sorted(wanted):
+                # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
+                low, high = layout.done_at_range(shard, since)
+                where = [
+                    docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low),
+                    docs.Filter(layout.DONE_AT, "LESS_THAN", high),
+                ]
+                ranges.append(reader.query_all(sub.path, "messages", where, layout.DONE_AT, count))
+            return [found for part in await asyncio.gather(*ranges) for found in part]
+
+        # Not under ``sub.lock``: the reads are most of a load, and other shards' acks and flushes
+        # must not wait for them. Nothing of this pod writes to ``wanted`` meanwhile (the caller's
+        # contract: with fences, a shard being taken is not held yet, so its writes are refused).
+        # The three reads go at once; the tombstones' range needs the checkpoints first.
+        async with self._load_slots:
             try:
-                checkpoints, overlays = await self._checkpoints(sub, wanted, now_ms)
+                checkpoints_read = asyncio.ensure_future(self._checkpoints(sub, wanted, now_ms))
+                tombstones = asyncio.ensure_future(_then(checkpoints_read, lambda found: recent(found[0])))
+                cursor_reads = asyncio.ensure_future(reader.query_shards(sub.path, "keys", shards, count))
+                pending_reads = asyncio.ensure_future(reader.load_pending(sub.path, budget, count, shards))
+                reads = asyncio.gather(checkpoints_read, tombstones, cursor_reads, pending_reads)
+                try:
+                    (checkpoints, overlays), recent_docs, cursor_docs, pending = await reads
+                except BaseException:
+                    reads.cancel()
+                    for read in (checkpoints_read, tombstones, cursor_reads, pending_reads):
+                        read.cancel()
+                    raise
                 since = recovery.since_ms(checkpoints.values())
-                cursor_docs = await reader.query_shards(sub.path, "keys", shards, count)
-                recent_docs = []
-                for shard in sorted(wanted):
-                    # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
-                    low, high = layout.done_at_range(shard, since)
-                    where = [
-                        docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low),
-                        docs.Filter(layout.DONE_AT, "LESS_THAN", high),
-                    ]
-                    recent_docs += await reader.query_all(sub.path, "messages", where, layout.DONE_AT, count)
-                pending = await reader.load_pending(sub.path, max_payload_bytes, count, shards)
                 recovered = recovery.recover(
                     rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards, overlays=overlays
                 )
+                del cursor_docs, recent_docs, pending  # the snapshot holds what is needed of them
             except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
                 raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
+        async with sub.lock:
+            # Only the book: replaced for these shards in one step (no await), so a concurrent load
+            # of other shards, or a flush, sees it before or after, never half restored.
             sub.forget(wanted)
             sub.book.restore(recovered.states, dirty_since_ms=since, shards=wanted)
             for shard, clean in checkpoints.items():

@@ -46,7 +46,7 @@ from typing import Any
 
 import grpc
 from google.api_core import exceptions as core_exceptions
-from google.api_core import retry_async
+from google.api_core import gapic_v1, retry_async
 from google.auth import exceptions as auth_exceptions
 from google.cloud import firestore
 from google.cloud.firestore_v1.types import (
@@ -57,6 +57,7 @@ from google.cloud.firestore_v1.types import (
     ListenRequest,
     RollbackRequest,
     RunQueryRequest,
+    RunQueryResponse,
     StructuredQuery,
     Target,
     Value,
@@ -213,6 +214,7 @@ class FirestoreDocuments:
         self._database = f"projects/{project}/databases/{database}"
         self._documents = f"{self._database}/documents/"
         self._timeout = timeout_seconds
+        self._run_query_call: Any = None
 
     def _name(self, relative_path: str) -> str:
         return self._documents + relative_path
@@ -411,23 +413,37 @@ class FirestoreDocuments:
         page: list[tuple[str, docs.Fields]] = []
         cursor: list[Any] = []
         try:
-            stream = await self.client._firestore_api.run_query(
-                request=RunQueryRequest.wrap(request),
-                metadata=self.client._rpc_metadata,
-                retry=None,
-                timeout=self._timeout,
-            )
-            async for response in stream:
-                raw = response._pb
+            call = self._run_query()(request, metadata=self._query_metadata(request.parent), timeout=self._timeout)
+            async for raw in call:
                 if not raw.HasField("document"):
                     continue
                 doc = raw.document
                 fields = {name: _get_value(value) for name, value in doc.fields.items()}
                 cursor = ([fields.get(order_by)] if order_by else []) + [_Reference(doc.name)]
                 page.append((doc.name.rpartition("/")[2], fields))
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(core_exceptions.from_grpc_error(exc), "query") from exc  # type: ignore[no-untyped-call]
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "query") from exc
         return docs.Page(page, cursor if len(page) >= limit else None)
+
+    def _run_query(self) -> Any:
+        """RunQuery on the client's own channel (credentials, emulator host), answering raw
+        protobufs: the GAPIC method wraps every streamed document in a proto-plus message first,
+        about a sixth of a load's CPU at 100,000 documents, for nothing we use."""
+        if self._run_query_call is None:
+            channel = self.client._firestore_api.transport.grpc_channel
+            self._run_query_call = channel.unary_stream(
+                "/google.firestore.v1.Firestore/RunQuery",
+                request_serializer=RunQueryRequest.pb().SerializeToString,
+                response_deserializer=RunQueryResponse.pb().FromString,
+            )
+        return self._run_query_call
+
+    def _query_metadata(self, parent: str) -> list[tuple[str, str]]:
+        """What the GAPIC method sends: the client's metadata and the routing header."""
+        routing = gapic_v1.routing_header.to_grpc_metadata((("parent", parent),))  # type: ignore[no-untyped-call]
+        return [*self.client._rpc_metadata, routing]
 
     async def close(self) -> None:
         """Close the gRPC channel: ``AsyncClient.close()`` leaves the GAPIC transport open."""

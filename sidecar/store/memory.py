@@ -33,6 +33,7 @@ from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.shards import shard_of
 from sidecar.store.api import (
     IncomingMessage,
+    PayloadBudget,
     PersistOutcome,
     PersistResult,
     StoreError,
@@ -198,7 +199,7 @@ class MemoryStore:
         subscription: str,
         now_ms: int,
         progress: Callable[[int], None] | None = None,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         self._enter("load")

@@ -13,7 +13,7 @@ from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.engine.types import Message
 from sidecar.store import documents as docs
 from sidecar.store import layout
-from sidecar.store.api import StoreRejected, StoreUnavailable
+from sidecar.store.api import PayloadBudget, StoreRejected, StoreUnavailable
 from sidecar.store.layout import message_path
 
 _PAGE_SIZE = 2_000
@@ -62,11 +62,17 @@ class Reader:
         return out
 
     async def load_pending(
-        self, sub_path: str, budget: int | None, progress: Progress, shards: frozenset[int] | None = None
+        self,
+        sub_path: str,
+        budget: int | PayloadBudget | None,
+        progress: Progress,
+        shards: frozenset[int] | None = None,
     ) -> list[Message]:
         """Every pending message (of ``shards``, None: all), decoded page by page so that only one
-        page of payloads is ever in memory beyond the budget; past ``budget`` payload bytes a
-        message is kept stripped."""
+        page of payloads is ever in memory beyond the budget; past ``budget`` payload bytes (shared
+        with the loads running at once when a ``PayloadBudget``) a message is kept stripped."""
+        if isinstance(budget, int):
+            budget = PayloadBudget(budget)
         pending_filter = docs.Filter("state", "EQUAL", layout.PENDING)
         queries: list[list[docs.Filter]] = (
             [[pending_filter]]
@@ -74,27 +80,40 @@ class Reader:
             else [[docs.Filter(layout.SHARD, "EQUAL", shard), pending_filter] for shard in sorted(shards)]
         )
         out: list[Message] = []
-        kept = 0
         for where in queries:
             after: object | None = None
             while True:
                 page = await self._query_page(sub_path, "messages", where, None, after)
                 progress(len(page.documents))
-                keep: list[tuple[str, dict[str, Any]]] = []
-                for doc_id, fields in page.documents:
-                    layout.require_v2(f"message document {doc_id}", fields)
-                    size = len(fields.get("data") or b"") if not fields.get("chunks") else layout.CHUNK_BYTES
-                    size += 33 + 110 * (len(fields.get("attrs") or []) // 2)
-                    kept += HELD_MESSAGE_OVERHEAD_BYTES  # every message's bookkeeping counts, stripped or not
-                    if budget is None or kept + size <= budget:
-                        kept += size
-                        keep.append((doc_id, fields))
-                    else:
-                        out.append(layout.stripped_message_from_fields(doc_id, fields))
-                out += await self.decode_pending(sub_path, keep)
+                out += await self._decode_page(sub_path, page.documents, budget)
                 if page.after is None:
                     break
                 after = page.after
+        return out
+
+    async def _decode_page(
+        self, sub_path: str, documents: list[tuple[str, dict[str, Any]]], budget: PayloadBudget | None
+    ) -> list[Message]:
+        """One page of pending messages, each kept whole while the budget lasts, else stripped."""
+        out: list[Message] = []
+        chunked: list[tuple[str, dict[str, Any]]] = []
+        for doc_id, fields in documents:
+            layout.require_v2(f"message document {doc_id}", fields)
+            keep = True
+            if budget is not None:
+                chunks = fields.get("chunks")
+                size = len(fields.get("data") or b"") if not chunks else layout.CHUNK_BYTES
+                size += 33 + 110 * (len(fields.get("attrs") or ()) // 2)
+                budget.charge(HELD_MESSAGE_OVERHEAD_BYTES)  # every message's bookkeeping counts, stripped or not
+                keep = budget.take(size)
+            if not keep:
+                out.append(layout.message_from_fields(doc_id, fields, stripped=True))
+            elif fields.get("chunks"):
+                chunked.append((doc_id, fields))
+            else:
+                out.append(layout.message_from_fields(doc_id, fields))
+        if chunked:
+            out += await self.decode_pending(sub_path, chunked)
         return out
 
     async def _query_page(

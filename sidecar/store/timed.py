@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
-from sidecar.store.api import IncomingMessage, PersistResult, Store
+from sidecar.store.api import IncomingMessage, PayloadBudget, PersistResult, Store
 
 
 class TimedStore:
@@ -38,7 +38,7 @@ class TimedStore:
         subscription: str,
         now_ms: int,
         progress: Callable[[int], None] | None = None,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
     ) -> EngineSnapshot:
         return await self._inner.load(subscription, now_ms, progress, max_payload_bytes, shards)

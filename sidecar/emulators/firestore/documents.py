@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.emulators.firestore.equality_index import EqualityIndexes
+
 _INSORT_MAX = 32
 """Pending ids merged one by one with bisect below this; above, append and re-sort (timsort merges runs)."""
 
@@ -132,8 +134,11 @@ class DocumentStore:
     _history_by_collection: dict[str, dict[str, None]] = field(default_factory=dict)
     observers: list[Callable[[list[tuple[str, Record | None]], int], None]] = field(default_factory=list)
     write_observers: list[Callable[[str, Record | None, Record | None], None]] = field(default_factory=list)
+    equality: EqualityIndexes = field(default_factory=EqualityIndexes)
+    """Equality indexes of the current documents, kept by ``apply`` (``equality_index``)."""
 
     def clear(self) -> None:
+        self.equality.clear()
         self.collections.clear()
         self.by_collection_id.clear()
         self._history.clear()
@@ -211,6 +216,8 @@ class DocumentStore:
             changed.append((name, record))
             for write_observer in self.write_observers:
                 write_observer(name, old, record)
+            old_doc = None if old is None else old.doc
+            self.equality.on_write(parent, doc_id, old_doc, None if record is None else record.doc)
             if old is not None:
                 self._remember(name, parent, old, commit_us)
             if record is None:
@@ -232,6 +239,7 @@ class DocumentStore:
 
     def _drop_collection(self, path: str) -> None:
         del self.collections[path]
+        self.equality.drop_collection(path)
         cid = path.rpartition("/")[2]
         paths = self.by_collection_id.get(cid)
         if paths is not None:

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from typing import Any
 
 from sidecar.emulators.firestore import limits
 from sidecar.emulators.firestore.documents import DocumentStore, Record
+from sidecar.emulators.firestore.equality_index import indexable_key
 from sidecar.emulators.firestore.errors import invalid, unimplemented
 from sidecar.emulators.firestore.paths import NAME_PATH, FieldPath, format_field_path, parse_field_path
 from sidecar.emulators.firestore.protos import COMPOSITE_OP, DIRECTION, OP, UNARY_OP
@@ -105,6 +107,8 @@ class CompiledQuery:
     limit: int | None = None
     projection: list[FieldPath] | None = None
     descending: list[bool] = field(default_factory=list)
+    equalities: list[tuple[FieldPath, Key]] = field(default_factory=list)
+    """``field == scalar`` conditions every result must meet (ANDed): served by equality indexes."""
 
     def collections(self, store: DocumentStore, read_us: int | None) -> list[str]:
         prefix = self.parent + "/"
@@ -173,6 +177,7 @@ def compile_query(parent: str, sq: Any, required_fields: Iterable[FieldPath] = (
         predicate=predicate,
         orders=orders,
         descending=[d for _, d in orders],
+        equalities=_equalities(sq.where) if sq.HasField("where") else [],
     )
     if sq.HasField("start_at"):
         query.start = _cursor(sq.start_at, orders, "start_at")
@@ -188,6 +193,19 @@ def compile_query(parent: str, sq: Any, required_fields: Iterable[FieldPath] = (
     if sq.HasField("select"):
         query.projection = [p for p in (parse_field_path(f.field_path) for f in sq.select.fields) if p != NAME_PATH]
     return query
+
+
+def _equalities(f: Any) -> list[tuple[FieldPath, Key]]:
+    """The ``field == scalar`` filters that every match must meet: the filter itself, or those
+    ANDed at any depth (none under an OR). The predicate still checks every filter."""
+    kind = f.WhichOneof("filter_type")
+    if kind == "composite_filter" and f.composite_filter.op == _AND:
+        return [found for sub in f.composite_filter.filters for found in _equalities(sub)]
+    if kind != "field_filter" or f.field_filter.op != _EQ:
+        return []
+    path = parse_field_path(f.field_filter.field.field_path)
+    key = indexable_key(f.field_filter.value) if f.field_filter.value.WhichOneof("value_type") else None
+    return [] if path == NAME_PATH or key is None else [(path, key)]
 
 
 def _and_exists(predicate: Predicate | None, path: FieldPath) -> Predicate:
@@ -373,7 +391,17 @@ def _by_name(store: DocumentStore, query: CompiledQuery, wanted: int | None) -> 
             start_id = segments[-1]
     count = 0
     predicate = query.predicate
-    for doc_id in collection.iter_ids(start_id, descending):
+    ids: Iterable[str]
+    if query.equalities:
+        # The fewest candidates of any equality the results must meet, in name order.
+        candidates = min(
+            (store.equality.lookup(collection_path, collection.docs, path, key) for path, key in query.equalities),
+            key=len,
+        )
+        ids = _ordered_from(sorted(candidates), start_id, descending)
+    else:
+        ids = collection.iter_ids(start_id, descending)
+    for doc_id in ids:
         record = collection.docs[doc_id]
         doc = record.doc
         if predicate is not None and not predicate(doc):
@@ -387,6 +415,14 @@ def _by_name(store: DocumentStore, query: CompiledQuery, wanted: int | None) -> 
         count += 1
         if wanted is not None and count >= wanted:
             return
+
+
+def _ordered_from(ids: list[str], start: str | None, reverse: bool) -> Iterator[str]:
+    """``ids`` (sorted) from ``start`` (inclusive) on, as ``Collection.iter_ids`` walks them."""
+    if not reverse:
+        yield from ids[0 if start is None else bisect.bisect_left(ids, start) :]
+    else:
+        yield from reversed(ids[: len(ids) if start is None else bisect.bisect_right(ids, start)])
 
 
 def _candidates(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> Iterator[Record]:

@@ -153,3 +153,44 @@ async def test_async_query_stream_and_count(aclient: firestore.AsyncClient) -> N
     assert got == [4, 3, 2]
     assert (await col.count().get())[0][0].value == 5
     assert [d.id async for d in col.list_documents()] == [f"d{i}" for i in range(5)]
+
+
+def test_equality_queries_follow_writes_after_their_index_is_built(client: firestore.Client) -> None:
+    """``field == value`` is served from an index built on first use and kept by every commit:
+    later creates, updates that move a document between values, deletes and an emptied
+    collection all show in the next query, pages and cursors included, ints equal to doubles."""
+    col = client.collection("shards")
+    batch = client.batch()
+    for i in range(12):
+        batch.set(col.document(f"d{i:02d}"), {"shard": i % 3, "state": "pending", "n": float(i)})
+    batch.commit()
+
+    def shard(value: object, state: str = "pending") -> list[str]:
+        return _ids(col.where(filter=And([FieldFilter("shard", "==", value), FieldFilter("state", "==", state)])))
+
+    assert shard(1) == ["d01", "d04", "d07", "d10"]  # builds the index
+    col.document("d04").update({"shard": 2})
+    col.document("d07").update({"state": "acked"})
+    col.document("d10").delete()
+    col.document("d20").set({"shard": 1, "state": "pending"})
+    assert shard(1) == ["d01", "d20"]
+    assert shard(1.0) == ["d01", "d20"]  # a double equals the int
+    assert shard(1, "acked") == ["d07"]
+    assert shard(2) == ["d02", "d04", "d05", "d08", "d11"]
+    page = col.where(filter=FieldFilter("shard", "==", 2)).order_by("__name__").limit(2)
+    first = list(page.stream())
+    assert [d.id for d in first] == ["d02", "d04"]
+    assert _ids(page.start_after(first[-1])) == ["d05", "d08"]
+    assert _ids(col.where(filter=FieldFilter("shard", "==", 2)).order_by("__name__", direction="DESCENDING")) == [
+        "d11",
+        "d08",
+        "d05",
+        "d04",
+        "d02",
+    ]
+    assert _ids(col.where(filter=FieldFilter("n", "==", 3))) == ["d03"]  # an int equals the double
+    for doc in col.stream():
+        doc.reference.delete()
+    assert shard(1) == []
+    col.document("z").set({"shard": 1, "state": "pending"})
+    assert shard(1) == ["z"]
