@@ -306,8 +306,11 @@ class FlowControlConfig(_Model):
     max_undelivered_messages: Annotated[int, Field(ge=1)] | None = 10_000
     """Stop persisting new messages while more than this many are releasable or in flight to the
     app (never counting those held for ordering); null: no limit."""
-    max_outstanding_messages: int = Field(1_000, ge=1)
-    """The Pub/Sub client's flow control: messages received and not yet acked or nacked."""
+    max_outstanding_messages: int = Field(5_000, ge=1)
+    """The Pub/Sub client's flow control: messages received and not yet acked or nacked. A fast-path
+    message stays unacked in Pub/Sub until its key's next checkpoint (half a second on average), so
+    this caps the fast path at about twice this many messages per second; ``max_outstanding_bytes``
+    bounds the memory whatever the count."""
     max_outstanding_bytes: ByteSize = 100 * 1024 * 1024
     max_lease_extension_ms: OptionalPositiveDurationMs = Field(10_000, alias="max_lease_extension")
     """The longest single lease extension the Pub/Sub client asks for (its

@@ -198,7 +198,7 @@ def test_defaults_are_the_documented_ones() -> None:
     }
     assert sub.flow_control.model_dump() == {
         "max_undelivered_messages": 10_000,
-        "max_outstanding_messages": 1_000,
+        "max_outstanding_messages": 5_000,
         "max_outstanding_bytes": 100 * 1024 * 1024,
         "max_lease_extension_ms": 10_000,
         "max_idle_keys": 10_000,
