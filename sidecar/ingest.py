@@ -239,13 +239,14 @@ class Ingestor:
         self._worker: asyncio.Task[None] | None = None
         self._pending: collections.deque[_Item] = collections.deque()
         """Received, not yet sorted (``_sort_pending``): fast path, deferred, or to store."""
-        self._pending_bytes = 0
         self._to_store: collections.deque[_Item] = collections.deque()
-        """Sorted, waiting for a persist slot."""
+        """Sorted, to be stored: batched for up to ``batch_window_seconds``, then a free persist slot."""
+        self._to_store_bytes = 0
+        self._to_store_since = 0.0
+        """When the oldest of ``_to_store`` was queued (``time.monotonic``)."""
         self._wake = asyncio.Event()
         """Set when the batch loop may have work: a message received, a persist slot freed,
         deferred messages back."""
-        self._batch_full = asyncio.Event()
         self._persist_slots = asyncio.Semaphore(max_concurrent_persists)
         self._tasks: set[asyncio.Task[None]] = set()
         self._unsettled: dict[str, PubsubMessage] = {}
@@ -474,10 +475,7 @@ class Ingestor:
             self._spawn(self._dead_letter_then_ack(message, f"malformed: {result.reason}", key=""))
             return
         self._pending.append(_Item(message=message, incoming=result))
-        self._pending_bytes += len(message.data)
         self._wake.set()
-        if len(self._pending) >= self._max_batch_messages or self._pending_bytes >= self._max_batch_bytes:
-            self._batch_full.set()
 
     # ---- batching and persisting -----------------------------------------------------------
 
@@ -490,16 +488,37 @@ class Ingestor:
                 await self._wake.wait()
                 continue
             if self._pending:
-                if not self._batch_full.is_set() and self._batch_window_seconds > 0:
-                    try:
-                        await asyncio.wait_for(self._batch_full.wait(), self._batch_window_seconds)
-                    except TimeoutError:
-                        pass
+                # Sorted at once: the fast path waits for nothing; only what is stored is batched.
                 await self._maybe_wait_while_over_limit()
                 self._sort_pending()
-            if self._can_store():
-                await self._persist_slots.acquire()  # free: at once
-                self._spawn(self._persist_batch(self._take_batch()), release_slot=True)
+                continue
+            window_left = self._store_window_left()
+            if window_left > 0:
+                # Collect a fuller batch to store, sorting what arrives meanwhile.
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), window_left)
+                except TimeoutError:
+                    pass
+                continue
+            batch = self._take_batch()
+            if self._fast_path and self._runtime.is_ready:
+                # Offered again: a message whose predecessor arrived while it waited takes the fast path.
+                rest = self._take_fast(batch)
+                if len(rest) < len(batch):
+                    kept = {id(item) for item in rest}
+                    self._release_keys([item for item in batch if id(item) not in kept])
+                batch = rest
+                if not batch:
+                    continue
+            await self._persist_slots.acquire()  # free: at once
+            self._spawn(self._persist_batch(batch), release_slot=True)
+
+    def _store_window_left(self) -> float:
+        """Seconds the next batch to store may still wait for more (0: store it now)."""
+        if len(self._to_store) >= self._max_batch_messages or self._to_store_bytes >= self._max_batch_bytes:
+            return 0.0
+        return max(0.0, self._to_store_since + self._batch_window_seconds - time.monotonic())
 
     def _can_store(self) -> bool:
         return bool(self._to_store) and not self._persist_slots.locked()
@@ -509,15 +528,14 @@ class Ingestor:
         is queued to be stored."""
         batch = list(self._pending)
         self._pending.clear()
-        self._pending_bytes = 0
-        self._batch_full.clear()
-        if not (self._fast_path and self._runtime.is_ready):
-            self._to_store.extend(batch)
-            return
-        rest = self._defer(self._take_fast(batch))
-        # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
-        self._persisting.update(item.incoming.key for item in rest)
-        self._to_store.extend(rest)
+        if self._fast_path and self._runtime.is_ready:
+            batch = self._defer(self._take_fast(batch))
+            # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
+            self._persisting.update(item.incoming.key for item in batch)
+        if batch and not self._to_store:
+            self._to_store_since = time.monotonic()
+        self._to_store.extend(batch)
+        self._to_store_bytes += sum(len(item.message.data) for item in batch)
 
     def _take_batch(self) -> list[_Item]:
         """The next batch to store: up to ``max_batch_messages`` and ``max_batch_bytes``."""
@@ -530,6 +548,7 @@ class Ingestor:
                 break
             batch.append(to_store.popleft())
             size += item_size
+        self._to_store_bytes -= size
         return batch
 
     async def _maybe_wait_while_over_limit(self) -> None:
@@ -606,8 +625,9 @@ class Ingestor:
                 rest.append(item)
         return rest
 
-    def _persisted(self, batch: list[_Item]) -> None:
-        """A persist of ``batch`` ended: messages deferred behind it go back to the front of the queue."""
+    def _release_keys(self, batch: list[_Item]) -> None:
+        """``batch`` is no longer on its way to the store (stored, failed, or taken by the fast path
+        after all): messages deferred behind its keys go back to the front of the queue."""
         persisting = self._persisting
         back: list[_Item] = []
         for item in batch:
@@ -620,7 +640,6 @@ class Ingestor:
                 back += self._deferred.pop(key, ())
         if back and not self._stopping:
             self._pending.extendleft(reversed(back))
-            self._pending_bytes += sum(len(item.message.data) for item in back)
             self._wake.set()
 
     async def _persist_batch(self, batch: list[_Item]) -> None:
@@ -628,7 +647,7 @@ class Ingestor:
         try:
             await self._store_batch(batch)
         finally:
-            self._persisted(batch)
+            self._release_keys(batch)
 
     async def _store_batch(self, batch: list[_Item]) -> None:
         # Several pods: a message whose key this pod does not deliver is stored for its owner
@@ -837,8 +856,8 @@ class Ingestor:
     def _forget_queued(self) -> None:
         """Everything queued is given back (it is all in ``_unsettled``)."""
         self._pending.clear()
-        self._pending_bytes = 0
         self._to_store.clear()
+        self._to_store_bytes = 0
         self._deferred.clear()
         self._persisting.clear()
 
