@@ -529,13 +529,31 @@ class Ingestor:
         batch = list(self._pending)
         self._pending.clear()
         if self._fast_path and self._runtime.is_ready:
-            batch = self._defer(self._take_fast(batch))
+            rest = self._take_fast(batch)
+            if len(rest) < len(batch):
+                self._reoffer({item.incoming.key for item in batch} - {item.incoming.key for item in rest})
+            batch = self._defer(rest)
             # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
             self._persisting.update(item.incoming.key for item in batch)
         if batch and not self._to_store:
             self._to_store_since = time.monotonic()
         self._to_store.extend(batch)
         self._to_store_bytes += sum(len(item.message.data) for item in batch)
+
+    def _reoffer(self, keys: set[str]) -> None:
+        """Keys that just took the fast path: their messages waiting to be stored (a swapped
+        successor) are offered to it again now, not after the batch window."""
+        waiting = [item for item in self._to_store if item.incoming.key in keys] if keys else []
+        if not waiting:
+            return
+        rest = {id(item) for item in self._take_fast(waiting)}
+        taken = [item for item in waiting if id(item) not in rest]
+        if not taken:
+            return
+        gone = {id(item) for item in taken}
+        self._to_store = collections.deque(item for item in self._to_store if id(item) not in gone)
+        self._to_store_bytes -= sum(len(item.message.data) for item in taken)
+        self._release_keys(taken)
 
     def _take_batch(self) -> list[_Item]:
         """The next batch to store: up to ``max_batch_messages`` and ``max_batch_bytes``."""
