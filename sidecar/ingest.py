@@ -1,12 +1,18 @@
-"""Ingest: Pub/Sub StreamingPull -> classify -> store.persist (batched) -> runtime -> ack.
+"""Ingest: Pub/Sub StreamingPull -> classify -> the runtime's fast path, or store.persist
+(batched) -> runtime -> ack.
 
 Rules (G1 in DESIGN §1 depends on each of them):
 
 - **Ack only what is safe.** A Pub/Sub message is acked only after the store said it is durable
-  (STORED, after ``runtime.on_stored``; or DUPLICATE: an earlier copy is durable), or after the
-  dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good). Nothing is
-  ever acked on a failure path, and nothing is ever dropped: a message not acked is nacked or left
-  to its lease, and Pub/Sub delivers it again.
+  (STORED, after ``runtime.on_stored``; or DUPLICATE: an earlier copy is durable), after its app ack
+  is durable (the in-order fast path: ``runtime.take_fast``, settled by ``on_volatile_settled``), or
+  after the dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good).
+  Nothing is ever acked on a failure path, and nothing is ever dropped: a message not acked is
+  nacked or left to its lease, and Pub/Sub delivers it again.
+- **Sorted as they come** (``_batch_loop``): the fast path first, then a message whose key has a
+  write under way waits for it once (``_defer``), and the rest is stored in batches; a message
+  waiting to be stored is offered to the fast path again when its key takes it and just before its
+  batch is written (docs/ingest.md).
 - **Threads.** The subscriber's callback runs on the event loop: ``LoopScheduler``
   (``sidecar.ingest_scheduler``) takes the messages from the client's threads and runs the callbacks on
   the loop, many per wake-up. Everything happens on the loop but the client's own work.
