@@ -77,8 +77,8 @@ async def test_kill9_at_several_points_loses_nothing_keeps_order_and_never_redel
     )
     # An ack the sidecar made durable just before a kill may never be confirmed to the app; it is
     # not delivered again either. So quiescence is judged by the sidecar: nothing left to deliver.
-    # 120 s, not the default 60: about one run in twelve stalls for about a minute after the last
-    # restart (on earlier code too; the cause is not found yet), and the stall can land in this wait.
+    # 120 s, not the default 60: about one run in twelve stalls for about a minute somewhere after
+    # the crashes (on earlier code too; the cause is not found yet), and it can land in this wait.
     await async_wait_until(
         lambda: sidecar.metric("pubsub_sidecar_buffered_messages", subscription=sub.name) == 0,
         "the sidecar to drain",
