@@ -119,6 +119,14 @@ async def test_the_fast_path_is_off_when_the_config_says_so(make_harness: MakeHa
     assert h.counters.fast_path == 0
 
 
+async def _start_gated(h: IngestHarness) -> asyncio.Event:
+    """Start ``h`` with every persist of its store held until the returned event is set (a slow store)."""
+    await h.setup()
+    gate = _gate_persists(h)
+    await h.start_ingest()
+    return gate
+
+
 def _gate_persists(h: IngestHarness) -> asyncio.Event:
     """Hold every persist of ``h``'s store until the returned event is set (a slow store)."""
     gate = asyncio.Event()
@@ -136,9 +144,7 @@ async def test_a_message_behind_its_keys_persist_waits_for_it_then_takes_the_fas
     make_harness: MakeHarness,
 ) -> None:
     h = make_harness(fast_path=True)
-    await h.setup()
-    gate = _gate_persists(h)
-    await h.start_ingest()
+    gate = await _start_gated(h)
     await h.publish_order("A", 2)
     await wait_until(lambda: h.counters.persist_batches == 1, "2 (beyond a gap) being stored")
     await h.publish_order("A", 1)
@@ -160,9 +166,7 @@ async def test_a_message_behind_its_keys_persist_waits_for_it_then_takes_the_fas
 
 async def test_a_message_waits_for_its_keys_persist_only_once(make_harness: MakeHarness) -> None:
     h = make_harness(fast_path=True)
-    await h.setup()
-    gate = _gate_persists(h)
-    await h.start_ingest()
+    gate = await _start_gated(h)
     await h.publish_order("A", 2)
     await wait_until(lambda: h.counters.persist_batches == 1, "2 being stored")
     await h.publish_order("A", 4)  # 3 never comes: 4 cannot take the fast path, even after 2
@@ -175,9 +179,7 @@ async def test_a_message_waits_for_its_keys_persist_only_once(make_harness: Make
 
 async def test_the_fast_path_does_not_wait_for_a_persist_slot(make_harness: MakeHarness) -> None:
     h = make_harness(fast_path=True, max_concurrent_persists=1)
-    await h.setup()
-    gate = _gate_persists(h)
-    await h.start_ingest()
+    gate = await _start_gated(h)
     await h.publish_order("B", 5)
     await wait_until(lambda: h.counters.persist_batches == 1, "B 5 holds the only persist slot")
     await h.publish_order("A", 1)
