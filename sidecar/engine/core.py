@@ -184,6 +184,14 @@ class Engine:
             else:
                 self._none = UnorderedPolicy(self._memory)
         self._gap_timeout_ms = config.gap_timeout_ms if config.mode == "sequence" else None
+        self._loading = False
+        """Restored from cursors while pending messages are still being read (``restore_pending``)."""
+        self._loading_watermark_ms: int | None = None
+        """The highest watermark offered while loading: applied by ``finish_loading``."""
+        self._parked: list[Message] = []
+        """sequence mode, while loading: messages of keys with no cursor yet (``first_sequence: any``),
+        replayed in stored order by ``finish_loading`` so that adoption picks the same first message
+        as a load of everything at once would."""
 
     # ---- recovery ---------------------------------------------------------------------------
 
@@ -197,6 +205,7 @@ class Engine:
         jitter: Callable[[], float] = lambda: 0.5,
         id_prefix: str = "",
         cursor_source: Callable[[str], KeyCursor | None] | None = None,
+        loading: bool = False,
     ) -> Engine:
         """Rebuild from the store's cursors and pending messages.
 
@@ -204,8 +213,18 @@ class Engine:
         replay decides besides holding (a duplicate below the cursor, a late or conflicting message
         that was not yet dead-lettered) is returned by the first ``tick``: ``next_timer_ms`` is
         ``now_ms`` until then.
+
+        ``loading``: more pending messages follow (``restore_pending``, page by page) until
+        ``finish_loading``. Meanwhile the engine delivers restored messages it can prove are next
+        (sequence mode: the cursor's successor; none mode: any) and nothing that a record not read
+        yet could precede: no gap timer runs (the missing sequence may be on a later page), the
+        watermark releases nothing (an earlier timestamp may be unread), the fast path is closed,
+        a key without a cursor adopts no first sequence, and messages stored meanwhile
+        (``on_stored``) wait for the end of the load, so that of two copies of one position the
+        first stored still wins.
         """
         engine = cls(config, jitter=jitter, id_prefix=id_prefix, cursor_source=cursor_source)
+        engine._loading = loading
         seen: set[str] = set()
         for cursor in snapshot.cursors:
             if cursor.key in seen:
@@ -217,19 +236,66 @@ class Engine:
             engine._policy.restore_cursor(key, cursor)
             engine._n_dead_letter_blocked += key.blocked
         if snapshot.watermark_ms is not None and engine._wm is not None:
-            engine._wm.watermark_ms = snapshot.watermark_ms
-        for message in sorted(snapshot.pending, key=_stored_at):
-            for action in engine.on_stored(message, now_ms):
-                if not isinstance(action, Hold):
-                    engine._deferred.append(action)
+            if loading:
+                engine._loading_watermark_ms = snapshot.watermark_ms  # applied by finish_loading
+            else:
+                engine._wm.watermark_ms = snapshot.watermark_ms
+        engine._replay(sorted(snapshot.pending, key=_stored_at), now_ms)
         for key in list(engine._keys.values()):
             engine._refresh(key, now_ms)
             engine._maybe_idle(key)
-        engine._counts["recovered"] = engine._stored
-        engine._stored = 0
-        if engine._deferred:
-            engine._deferred_due_ms = now_ms
         return engine
+
+    @property
+    def loading(self) -> bool:
+        """Restored with ``loading=True`` and not finished yet (``finish_loading``)."""
+        return self._loading
+
+    def restore_pending(self, messages: Iterable[Message], now_ms: int) -> None:
+        """More pending messages of a loading engine (one page of the store's read), replayed like
+        ``restore``'s: in ``stored_at_ms`` order within the page, decisions other than holding
+        returned by the next ``tick``. The caller hands each stored record once per engine."""
+        if not self._loading:
+            raise RuntimeError("restore_pending: the engine is not loading (restore(..., loading=True))")
+        self._replay(sorted(messages, key=_stored_at), now_ms)
+
+    def finish_loading(self, now_ms: int) -> list[Action]:
+        """Every pending message has been restored: gap timers start (from ``now_ms``), the
+        watermark offered meanwhile applies, the fast path opens, and keys without a cursor adopt
+        their first sequence. Returns the decisions of the adoption replay (as ``on_stored`` does)."""
+        if not self._loading:
+            return []
+        self._loading = False
+        parked, self._parked = self._parked, []
+        actions: list[Action] = []
+        stored = self._stored  # counted when they were parked
+        for message in sorted(parked, key=_stored_at):
+            actions.extend(action for action in self._arrive(message, now_ms) if not isinstance(action, Hold))
+        self._stored = stored
+        for key in list(self._keys.values()):
+            self._refresh(key, now_ms)
+        watermark, self._loading_watermark_ms = self._loading_watermark_ms, None
+        if watermark is not None:
+            actions.extend(self.advance_watermark(watermark, now_ms))
+        return actions
+
+    def _replay(self, messages: Iterable[Message], now_ms: int) -> None:
+        """Restored messages through ``on_stored``; counted as recovered, not as stored."""
+        stored = self._stored
+        seq = self._seq
+        for message in messages:
+            if self._loading and seq is not None and not message.replay_id and self._unadopted(message.key):
+                # ``first_sequence: any``: the key adopts the first stored message, known only at the end.
+                self._parked.append(message)
+                self._stored += 1
+                continue
+            for action in self._arrive(message, now_ms):
+                if not isinstance(action, Hold):
+                    self._deferred.append(action)
+        self._counts["recovered"] += self._stored - stored
+        self._stored = stored
+        if self._deferred:
+            self._deferred_due_ms = now_ms
 
     def export(self) -> EngineSnapshot:
         """Cursors plus every message not yet acked durably or dead-lettered, in arrival order.
@@ -255,6 +321,7 @@ class Engine:
                 pending.append((entry.n, entry.message))
         for message, (_count, n) in self._outside.items():
             pending.append((n, message))
+        pending.extend((self._n + i, message) for i, message in enumerate(self._parked, 1))
         pending.sort(key=_first)
         return EngineSnapshot(
             cursors=tuple(cursors),
@@ -267,6 +334,21 @@ class Engine:
     def on_stored(self, message: Message, now_ms: int) -> list[Action]:
         """A durably stored message arrives. Returns DropDuplicate, DeadLetter ("conflict" or
         "late"), Hold with its reason, or [] when it is ready (delivery is pulled with ``take``)."""
+        if self._loading:
+            # A record not read yet may precede it (the first stored of two conflicting copies, a
+            # lower sequence, an earlier timestamp): it waits for the end of the load.
+            self._parked.append(message)
+            self._stored += 1
+            return [Hold(message, "recovery is still reading this shard's pending messages")]
+        return self._arrive(message, now_ms)
+
+    def _unadopted(self, name: str) -> bool:
+        key = self._keys.get(name)
+        if key is None:
+            key = self._key(name)  # an idle key is rebuilt from its cursor
+        return key.cursor is None
+
+    def _arrive(self, message: Message, now_ms: int) -> list[Action]:
         self._n += 1
         self._stored += 1
         if self._outside_ids and _identity(message) in self._outside_ids:
@@ -357,7 +439,13 @@ class Engine:
         (behind those in flight or ready, ahead of any held beyond a gap), and its key is neither
         blocked, dead-lettering nor backing off. It then waits for nothing but the app: Pub/Sub can
         keep it meanwhile. Pure query: the caller hands it to ``on_stored`` flagged ``volatile``."""
-        if self._seq is None or message.replay_id or message.sequence is None or message.volatile is False:
+        if (
+            self._seq is None
+            or self._loading
+            or message.replay_id
+            or message.sequence is None
+            or message.volatile is False
+        ):
             return False
         key = self._keys.get(message.key) or self._key(message.key)  # an idle key is rebuilt from its cursor
         return (
@@ -438,12 +526,25 @@ class Engine:
         freed, 0 when the message is not held here or already stripped. Ordering is unaffected:
         the engine never looks inside a payload."""
         entry = self._find(message)
+        if entry is None and self._parked:
+            return self._strip_parked(message)
         payload = None if entry is None else entry.message.payload
         if entry is None or entry.state != HELD or payload is None or payload.stripped or not payload.ref:
             return 0
         freed = payload_size(payload)
         entry.message = replace(entry.message, payload=replace(payload, data=b"", attributes={}, stripped=True))
         return freed
+
+    def _strip_parked(self, message: Message) -> int:
+        for i in range(len(self._parked) - 1, -1, -1):
+            parked = self._parked[i]
+            if parked is message:
+                payload = parked.payload
+                if payload is None or payload.stripped or not payload.ref:
+                    return 0
+                self._parked[i] = replace(parked, payload=replace(payload, data=b"", attributes={}, stripped=True))
+                return payload_size(payload)
+        return 0
 
     def is_in_flight(self, delivery_id: str) -> bool:
         """True while ``delivery_id`` is delivered and not yet acked, nacked, expired or returned."""
@@ -624,6 +725,11 @@ class Engine:
         wm = self._wm
         if wm is None or (wm.watermark_ms is not None and watermark_ms <= wm.watermark_ms):
             return []
+        if self._loading:
+            # A message not read yet may be earlier than what the watermark would release.
+            if self._loading_watermark_ms is None or watermark_ms > self._loading_watermark_ms:
+                self._loading_watermark_ms = int(watermark_ms)
+            return []
         for key in wm.advance(int(watermark_ms)):
             self._refresh(key, now_ms)
         return []
@@ -686,7 +792,7 @@ class Engine:
         ready = len(self._none.ready) if self._none is not None else self._n_ready
         status = EngineStatus(
             mode=self._mode,
-            buffered=self._n_pending,
+            buffered=self._n_pending + len(self._parked),
             ready=ready,
             in_flight=self._n_out,
             keys=len(self._keys),
@@ -849,7 +955,7 @@ class Engine:
             target = key.consumer or ""
             if key.queued != target:
                 self._enqueue(key, target)
-        if self._gap_timeout_ms is not None:
+        if self._gap_timeout_ms is not None and not self._loading:
             missing = None if stopped else self._seq.gap(key)  # type: ignore[union-attr]
             if missing != key.gap_missing:
                 key.gap_missing = missing
