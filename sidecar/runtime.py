@@ -3,7 +3,10 @@
 The engine decides (deliver, drop, dead-letter, hold); this module does the I/O those decisions
 need and feeds the results back. Rules it keeps:
 
-- Nothing is delivered before ``recover()`` rebuilt the engine from ``store.load``.
+- Nothing is delivered before ``recover()`` rebuilt the engine from ``store.load``'s cursors. Its
+  pending messages are read afterwards, page by page, and restored into the engine as they arrive
+  (``Engine.restore_pending``; until the last page the engine delivers only what it can prove is
+  next, see ``Engine.restore``). Each stored record reaches an engine once (``ShardEngine.admit``).
 - Every engine call happens on the event loop thread, with ``now_ms`` read from ``clock`` here.
 - An app ack counts only once ``store.commit_acks`` succeeded: ``ack``/``submit_ack`` resolve with
   the confirmed ids only then (G3). Acks from all streams are group-committed: while one
@@ -258,7 +261,10 @@ class SubscriptionRuntime:
         self.recovered_documents = 0
         """Documents ``load`` has read so far during recovery."""
         self._loads = 0
-        """Shard loads in progress (``adopt_shard``): liveness watches their progress too."""
+        """Shard loads in progress (``adopt_shard``, and the pending pages after it): liveness
+        watches their progress too."""
+        self._loaders: dict[int, asyncio.Task[None]] = {}
+        """Per shard, the task restoring its pending messages (``_load_pending``)."""
         self._budget: PayloadBudget | None = None
         """The payload budget the loads in progress share (``_payload_budget``)."""
         self._drops: list[tuple[ShardEngine, Message]] = []
@@ -310,6 +316,7 @@ class SubscriptionRuntime:
             counts["not_owned"] = self.counters.not_owned
             counts["shards_adopted"] = self.counters.shards_adopted
             counts["shards_dropped"] = self.counters.shards_dropped
+            counts["shards_loading"] = self.loading_shards
             counts["acks_fenced"] = self.counters.acks_fenced
         if self.status_counts is not None:
             counts.update(self.status_counts())
@@ -329,7 +336,6 @@ class SubscriptionRuntime:
         self._recovery_started_ms = self._recovery_progress_ms = self._clock()
         if self._shard_count is None:
             await self._load_shard(0, 0, None)
-            self._budget = None
         self._recovered = True
         self._after_change()
 
@@ -356,36 +362,99 @@ class SubscriptionRuntime:
         self._progress.set()
         self._after_change()
 
-    async def _load_shard(self, shard: int, epoch: int, shards: frozenset[int] | None) -> None:
+    def _progress_counter(self) -> Callable[[int], None]:
+        """A ``progress`` callback for one store read: documents read count towards recovery."""
+        seen = 0
+
         def progress(documents: int) -> None:
-            self.recovered_documents += documents - seen[0]
-            seen[0] = documents
+            nonlocal seen
+            self.recovered_documents += documents - seen
+            seen = documents
             self._recovery_progress_ms = self._clock()
 
-        seen = [0]
+        return progress
+
+    async def _load_shard(self, shard: int, epoch: int, shards: frozenset[int] | None) -> None:
+        """Load a shard in two steps (docs/store.md, "Recovery"): its cursors, after which its
+        engine exists and delivers, then its pending messages page by page in a task of their own
+        (``_load_pending``), each page restored into the engine as it arrives."""
         extra: dict[str, object] = {} if shards is None else {"shards": shards}
+        budget = self._payload_budget()
         snapshot = await self._retry_store(
-            self._store.load, progress=progress, max_payload_bytes=self._payload_budget(), **extra
+            self._store.load, progress=self._progress_counter(), max_payload_bytes=budget, pending=False, **extra
         )
-        now_ms = self._clock()
         engine = Engine.restore(
             self._config,
             snapshot,
-            now_ms,
+            self._clock(),
             id_prefix=self._engines.engine_prefix(shard, epoch),
             cursor_source=functools.partial(self._store.cursor, self.name),
+            loading=True,
         )
-        held = sum(
-            payload_size(m.payload) for m in snapshot.pending if m.payload is not None and not m.payload.stripped
-        ) + HELD_MESSAGE_OVERHEAD_BYTES * len(snapshot.pending)
-        self._engines.add(shard, epoch, engine, held)
+        entry = self._engines.add(shard, epoch, engine, 0)
+        entry.handed = set()
         _LOGGER.info(
-            "subscription %s recovered%s: %d pending messages, %d key cursors",
+            "subscription %s recovered%s: %d key cursors; reading its pending messages",
             self.name,
             "" if shards is None else f" shard {shard} (epoch {epoch})",
-            len(snapshot.pending),
             len(snapshot.cursors),
         )
+        self._loads += 1
+        loader = asyncio.create_task(self._load_pending(entry, shards, budget), name=f"load:{self.name}:{shard}")
+        self._loaders[shard] = loader
+        loader.add_done_callback(functools.partial(self._on_loader_done, shard))
+
+    async def _load_pending(
+        self, entry: ShardEngine, shards: frozenset[int] | None, budget: PayloadBudget | None
+    ) -> None:
+        """Restore the shard's pending messages into its loading engine, page by page, then end
+        the load (gap timers, the watermark, the fast path and the messages stored meanwhile)."""
+        restored = 0
+        async for page in self._store.pending_pages(self.name, shards, budget, self._progress_counter()):
+            if self._engines.get(entry.shard) is not entry:
+                return  # dropped meanwhile: nothing of it is restored
+            fresh = [message for message in page if entry.admit(message)]
+            entry.engine.restore_pending(fresh, self._clock())
+            entry.held_bytes += _held_size(fresh)
+            restored += len(fresh)
+            self._after_change()
+        if self._engines.get(entry.shard) is not entry:
+            return
+        entry.handed = None
+        actions = entry.engine.finish_loading(self._clock())
+        entry.held_bytes -= _held_size([a.message for a in actions if isinstance(a, DropDuplicate | DeadLetter)])
+        self._apply(entry, actions)
+        self._after_change()
+        _LOGGER.info(
+            "subscription %s%s loaded: %d pending messages",
+            self.name,
+            "" if self._shard_count is None else f" shard {entry.shard} (epoch {entry.epoch})",
+            restored,
+        )
+
+    def _on_loader_done(self, shard: int, task: asyncio.Task[None]) -> None:
+        if self._loaders.get(shard) is task:
+            del self._loaders[shard]
+        self._loads -= 1
+        if not self._loads:
+            self._budget = None  # the next load starts from what the engines hold then
+        self._progress.set()
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            # A permanent StoreError (a corrupt document): nothing of the shard can be proven in order.
+            self.failure = self.failure or _first_cause(exc)
+            _LOGGER.critical(
+                "subscription %s: loading shard %d failed; its streams end", self.name, shard, exc_info=exc
+            )
+            for event in self._wakers:
+                event.set()
+
+    @property
+    def loading_shards(self) -> int:
+        """Shards whose pending messages are still being read."""
+        return len(self._loaders)
 
     def _payload_budget(self) -> PayloadBudget | None:
         """The payload bytes a load may keep in memory: what ``max_held_bytes`` leaves beside the
@@ -406,6 +475,9 @@ class SubscriptionRuntime:
         if entry is None or (epoch is not None and entry.epoch != epoch):
             return False
         self._engines.remove(shard)
+        loader = self._loaders.get(shard)
+        if loader is not None:
+            loader.cancel()
         self._store.release(self.name, frozenset({shard}))
         self._settle_all(entry)
         self.counters.shards_dropped += 1
@@ -500,6 +572,8 @@ class SubscriptionRuntime:
         self._stopping = True
         for event in self._wakers:
             event.set()  # streams notice is_ready is False and end
+        for loader in list(self._loaders.values()):
+            loader.cancel()
         task = self._task
         if task is None or task.done():
             return
@@ -540,6 +614,8 @@ class SubscriptionRuntime:
             if entry is None:
                 self.counters.not_owned += 1
                 continue
+            if not entry.admit(message):
+                continue  # its record was restored from a page already: the engine has it
             engine = entry.engine
             actions = engine.on_stored(message, now_ms)
             payload = message.payload
@@ -1072,6 +1148,13 @@ class SubscriptionRuntime:
 
 def _backoff_seconds(attempt: int) -> float:
     return backoff_seconds(attempt, _RETRY_INITIAL_SECONDS, _RETRY_MAXIMUM_SECONDS)
+
+
+def _held_size(messages: Sequence[Message]) -> int:
+    """What ``messages`` weigh against ``max_held_bytes``: payloads kept plus the bookkeeping."""
+    return sum(
+        payload_size(m.payload) for m in messages if m.payload is not None and not m.payload.stripped
+    ) + HELD_MESSAGE_OVERHEAD_BYTES * len(messages)
 
 
 def _shard(key: str, count: int) -> int:

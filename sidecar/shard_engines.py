@@ -36,6 +36,22 @@ class ShardEngine:
     """Being handed over: nothing new is handed out; in-flight acks still complete."""
     volatile: dict[int, Message] = field(default_factory=dict)
     """Fast-path messages of this shard not yet settled (by ``id``): Pub/Sub still holds each."""
+    handed: set[str] | None = None
+    """While the engine is loading (``Engine.restore_pending``): the stored records (``Payload.ref``)
+    handed to it so far, by a page or as they were stored. A record reaches the engine once: a page
+    read before a record was finished can still hold it, and a second hand-over of a finished
+    record would be dropped as a duplicate and its tombstone overwritten."""
+
+    def admit(self, message: Message) -> bool:
+        """False when ``message``'s record was handed to the loading engine already."""
+        handed = self.handed
+        if handed is None or message.payload is None or not message.payload.ref:
+            return True
+        ref = message.payload.ref
+        if ref in handed:
+            return False
+        handed.add(ref)
+        return True
 
 
 class ShardEngines:
