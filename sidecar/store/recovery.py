@@ -175,15 +175,26 @@ def recover(
         state.written_ms = None
         state.dirty_since_ms = 0 if cursor_fields(state) != stored.get(state.key) else None
     cursors = [key_cursor(state, mode) for state in states.values()]
-    for message in pending:
+    snapshot = EngineSnapshot(cursors=tuple(c for c in cursors if c is not None), pending=restorable(pending, mode))
+    return Recovered(snapshot=snapshot, states=states, since_ms=since)
+
+
+def restore_order(message: Message) -> tuple[int, str, int, int, str]:
+    """Stored order, then position: the engine gets each key's messages in a stable order."""
+    return (message.stored_at_ms, message.key, message.sequence or 0, message.timestamp_ms or 0, message.dedup_id)
+
+
+def restorable(pending: Iterable[Message], mode: Mode) -> tuple[Message, ...]:
+    """Pending messages in ``restore_order``, each checked to carry its mode's position (sequence
+    mode ``seq``, watermark ``ts``): all of a load's at once, or one page of them; raises
+    CorruptDocument naming the first document that does not."""
+    checked = list(pending)
+    for message in checked:
         if mode == "sequence" and message.sequence is None:
             raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no seq")
         if mode == "watermark" and message.timestamp_ms is None:
             raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no ts")
-    # Stored order, then position: the engine gets each key's messages in a stable order.
-    ordered = sorted(pending, key=lambda m: (m.stored_at_ms, m.key, m.sequence or 0, m.timestamp_ms or 0, m.dedup_id))
-    snapshot = EngineSnapshot(cursors=tuple(c for c in cursors if c is not None), pending=tuple(ordered))
-    return Recovered(snapshot=snapshot, states=states, since_ms=since)
+    return tuple(sorted(checked, key=restore_order))
 
 
 def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, int, str | None, str, Any, Any, bool]:
