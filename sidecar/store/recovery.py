@@ -24,7 +24,9 @@ Rules, and why each keeps the guarantees of DESIGN §1:
    message is dead-lettered aside: it never blocks; in sequence mode its position counts as
    finished (it will never be delivered), so the key does not wait for it again.
 4. **Pending messages are handed back as they are**; the engine's restore replays them through its
-   own rules (duplicates of held messages, late messages below the cursor).
+   own rules (duplicates of held messages, late messages below the cursor). ``restorable`` checks
+   and orders them: all of a load's in ``recover``, or one page at a time when the load read the
+   state only (``DocumentStore.pending_pages``).
 5. **Bounded work.** One pass over what was read: recovery ends in time linear in the documents
    loaded, whatever the store holds (no read loops driven by what a document says).
 6. **Loud on foreign data.** A document of ours that is malformed or from a newer layout stops
