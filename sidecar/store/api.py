@@ -3,13 +3,14 @@
 ``sidecar.store.document_store.DocumentStore`` implements it over a document database
 (``sidecar.store.firestore`` for Firestore); ``sidecar.store.memory.MemoryStore`` implements it in
 memory for component tests (not durable). Ingest calls ``persist``; delivery calls ``commit_acks``
-and only then confirms the acks to the app; recovery calls ``load`` before anything is delivered.
+and only then confirms the acks to the app; recovery calls ``load`` before anything is delivered
+(and, when it loads the state first, ``pending_pages`` while it already delivers).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +74,10 @@ class PayloadBudget:
     def charge(self, size: int) -> None:
         """Bytes that are kept anyway (a message's bookkeeping): may take the budget below zero."""
         self.remaining -= size
+
+    def refund(self, size: int) -> None:
+        """Give back bytes charged or taken for messages that will not be kept after all."""
+        self.remaining += size
 
     def take(self, size: int) -> bool:
         """Keep ``size`` more bytes if they fit; False (nothing taken) when they do not."""
@@ -201,6 +206,8 @@ class Store(Protocol):
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
+        *,
+        pending: bool = True,
     ) -> EngineSnapshot:
         """Cursors and pending messages, to rebuild the engine before anything is delivered.
         ``shards``: only those shards' keys (a pod that takes shards over loads just them); None: all.
@@ -210,7 +217,26 @@ class Store(Protocol):
         ``max_payload_bytes`` of payloads (a ``PayloadBudget``: shared by the loads that run at once),
         pending messages come back stripped (``Payload.stripped``): read them with ``read_payloads``
         when they are delivered.
+        ``pending=False``: everything but the pending messages (the snapshot's ``pending`` is
+        empty; the cursor state is restored all the same): read them with ``pending_pages``.
         Raises StoreRejected, naming the document, on a document it cannot read as its own."""
+        ...
+
+    def pending_pages(
+        self,
+        subscription: str,
+        shards: frozenset[int] | None,
+        max_payload_bytes: int | PayloadBudget | None,
+        progress: Callable[[int], None] | None,
+    ) -> AsyncIterator[list[Message]]:
+        """Every pending message of ``shards`` (None: all), a page at a time (an async generator),
+        for the caller to restore each page while it already delivers (after ``load(pending=False)``
+        of the same shards). Within a page, messages are in the order ``load`` gives them; each
+        message comes exactly once. Payloads within ``max_payload_bytes`` as ``load`` does (the
+        budget spans the pages: later pages come back stripped once it is spent). ``progress`` is
+        called with the number of documents read so far. A page that fails transiently is read
+        again from where it stopped, for as long as it fails (``progress`` stalls meanwhile);
+        raises StoreRejected, naming the document, on a document it cannot read as its own."""
         ...
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:

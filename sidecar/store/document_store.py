@@ -26,7 +26,9 @@ Writes, and why:
   (``sidecar.store.recovery``). With a ``FenceSource`` every such Commit is fenced by the leases of
   the shards it touches (``sidecar.store.fencing``): a pod that lost a shard cannot advance its keys.
 - ``load`` reads the subscription document, the cursor documents, the pending messages and the
-  recent tombstones, and leaves every decision to the pure ``recovery.recover``.
+  recent tombstones, and leaves every decision to the pure ``recovery.recover``. With
+  ``pending=False`` it reads all but the pending messages, which ``pending_pages`` then yields a
+  query page at a time (``recovery.restorable`` checks and orders each page).
 
 Cost per delivered message in steady state: 1 write (create) + 1 write (tombstone) + at most one
 cursor write per key per interval, and no reads; +1 read per duplicate; +2 per chunk; with fences,
@@ -39,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
@@ -83,6 +85,16 @@ def wall_clock_ms() -> int:
 async def _then(first: Awaitable[_A], then: Callable[[_A], Awaitable[_B]]) -> _B:
     """``then(await first)``: a read that needs another's answer, as one awaitable."""
     return await then(await first)
+
+
+async def _nothing() -> list[Message]:
+    """What ``load(pending=False)`` reads of pending messages."""
+    return []
+
+
+def _stopped(sub: Subscription, exc: Exception) -> StoreRejected:
+    """A load or a pending page refused a document: one line naming the subscription and the document."""
+    return StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}")
 
 
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
@@ -328,10 +340,11 @@ class DocumentStore:
         progress: Progress | None = None,
         max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
+        *,
+        pending: bool = True,
     ) -> EngineSnapshot:
         sub = self._sub(subscription)
-        if shards is not None and any(not 0 <= shard < sub.config.shards for shard in shards):
-            raise ValueError(f"load: shards must be in 0..{sub.config.shards - 1}, got {sorted(shards)}")
+        self._check_shards(sub, shards, "load")
         loaded = 0
 
         def count(n: int) -> None:
@@ -366,10 +379,12 @@ class DocumentStore:
                 checkpoints_read = asyncio.ensure_future(self._checkpoints(sub, wanted, now_ms))
                 tombstones = asyncio.ensure_future(_then(checkpoints_read, lambda found: recent(found[0])))
                 cursor_reads = asyncio.ensure_future(reader.query_shards(sub.path, "keys", shards, count))
-                pending_reads = asyncio.ensure_future(reader.load_pending(sub.path, budget, count, shards))
+                pending_reads = asyncio.ensure_future(
+                    reader.load_pending(sub.path, budget, count, shards) if pending else _nothing()
+                )
                 reads = asyncio.gather(checkpoints_read, tombstones, cursor_reads, pending_reads)
                 try:
-                    (checkpoints, overlays), recent_docs, cursor_docs, pending = await reads
+                    (checkpoints, overlays), recent_docs, cursor_docs, pending_read = await reads
                 except BaseException:
                     reads.cancel()
                     for read in (checkpoints_read, tombstones, cursor_reads, pending_reads):
@@ -377,11 +392,11 @@ class DocumentStore:
                     raise
                 since = recovery.since_ms(checkpoints.values())
                 recovered = recovery.recover(
-                    rules_of(sub.config), cursor_docs, recent_docs, pending, since, shards, overlays=overlays
+                    rules_of(sub.config), cursor_docs, recent_docs, pending_read, since, shards, overlays=overlays
                 )
-                del cursor_docs, recent_docs, pending  # the snapshot holds what is needed of them
+                del cursor_docs, recent_docs, pending_read  # the snapshot holds what is needed of them
             except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
-                raise StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}") from exc
+                raise _stopped(sub, exc) from exc
         async with sub.lock:
             # Only the book: replaced for these shards in one step (no await), so a concurrent load
             # of other shards, or a flush, sees it before or after, never half restored.
@@ -393,6 +408,44 @@ class DocumentStore:
                     sub.stale.add(shard)  # written by the next flush, so the next load reads less
         self._maybe_wake_flusher(sub)
         return recovered.snapshot
+
+    async def pending_pages(
+        self,
+        subscription: str,
+        shards: frozenset[int] | None,
+        max_payload_bytes: int | PayloadBudget | None,
+        progress: Progress | None,
+    ) -> AsyncIterator[list[Message]]:
+        # Reads only (no ``sub.lock``): pending documents are the intake's and the acks', and what
+        # they change meanwhile reaches the engine through them. One load slot per page, so that
+        # pages of many shards and the shards' state loads share the bound on reads at once.
+        sub = self._sub(subscription)
+        self._check_shards(sub, shards, "pending_pages")
+        budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
+        read = 0
+
+        def count(n: int) -> None:
+            nonlocal read
+            read += n
+            if progress is not None:
+                progress(read)
+
+        pages = self._reader.pending_pages(sub.path, budget, count, shards, attempts=None, slots=self._load_slots)
+        async with contextlib.aclosing(pages):
+            while True:
+                try:
+                    page = await anext(pages)
+                    ordered = list(recovery.restorable(page, sub.config.mode))
+                except StopAsyncIteration:
+                    return
+                except layout.CorruptDocument as exc:
+                    raise _stopped(sub, exc) from exc
+                yield ordered
+
+    @staticmethod
+    def _check_shards(sub: Subscription, shards: frozenset[int] | None, what: str) -> None:
+        if shards is not None and any(not 0 <= shard < sub.config.shards for shard in shards):
+            raise ValueError(f"{what}: shards must be in 0..{sub.config.shards - 1}, got {sorted(shards)}")
 
     def listen_inbox(
         self,

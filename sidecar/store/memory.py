@@ -11,7 +11,14 @@ tested and measured without Firestore, with the same observable rules as the Fir
   identity, so a late redelivery of a finished message is still a duplicate.
 - ``commit_acks`` tombstones each acked message and moves its key's cursor forward, never back.
 - ``load`` returns the cursors plus every message not yet finished, in the order they were stored
-  (with ``shards``: of those shards' keys, ``shard_of(key, shards)`` of the constructor's count).
+  (with ``shards``: of those shards' keys, ``shard_of(key, shards)`` of the constructor's count);
+  with ``pending=False`` just the cursors.
+- ``pending_pages`` yields the messages not yet finished when it starts, ``page_size`` at a time
+  (a constructor argument, small by default so that tests cross several pages), each page in the
+  order recovery restores them; a message finished before its page is read is left out, one
+  stored after the start is not added (its ``persist`` hands it over). A page read that fails
+  (``fail_next("pending_pages", n)``) is tried again like the Firestore store's. Neither ``load``
+  nor the pages strip payloads: ``max_payload_bytes`` is ignored here.
 - ``release`` hides the cursors of those shards from ``cursor`` until a ``load`` takes them back,
   as a pod that lost them would; the data, being the database here, stays. No fencing: one process.
 
@@ -25,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
@@ -40,10 +48,17 @@ from sidecar.store.api import (
     StoreRejected,
     StoreUnavailable,
 )
+from sidecar.store.reader import retrying
+from sidecar.store.recovery import restore_order
 
 _PENDING = "pending"
 _TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dead_lettered_aside", "dropped"})
-_HOOKED_METHODS = frozenset({"persist", "commit_acks", "mark_done", "load", "read_payloads", "unblock"})
+_HOOKED_METHODS = frozenset(
+    {"persist", "commit_acks", "mark_done", "load", "pending_pages", "read_payloads", "unblock"}
+)
+_PAGE_SIZE = 50
+"""Messages per ``pending_pages`` page by default: small, so that runtime tests with a few hundred
+pending messages restore several pages (the Firestore store's pages are 2,000 documents)."""
 
 
 @dataclass(slots=True)
@@ -72,10 +87,13 @@ def doc_id_for(key: str, dedup_id: str, sequence: int | None) -> str:
 class MemoryStore:
     """``Store`` kept in a dict: for delivery-layer tests and benchmarks only, NOT durable."""
 
-    def __init__(self, shards: int = 1) -> None:
+    def __init__(self, shards: int = 1, *, page_size: int = _PAGE_SIZE) -> None:
         shard_of("", shards)  # validates the count
+        if page_size < 1:
+            raise ValueError(f"page_size: must be positive, got {page_size}")
         self._shards = shards
         """S, for ``load(shards=...)`` and ``release``."""
+        self._page_size = page_size
         self._subscriptions: dict[str, _SubscriptionData] = {}
         self.commit_gate: asyncio.Event | None = None
         """When set to an Event, ``commit_acks`` waits for it before committing (tests hold acks with it)."""
@@ -201,19 +219,41 @@ class MemoryStore:
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
+        *,
+        pending: bool = True,
     ) -> EngineSnapshot:
         self._enter("load")
         data = self._data(subscription)
-
-        def wanted(key: str) -> bool:
-            return shards is None or shard_of(key, self._shards) in shards
-
         data.released -= set(range(self._shards)) if shards is None else shards
-        pending = tuple(r.message for r in data.records.values() if r.state == _PENDING and wanted(r.message.key))
-        cursors = tuple(cursor for key, cursor in data.cursors.items() if wanted(key))
+        held = tuple(data.records[doc_id].message for doc_id in self._pending_ids(data, shards)) if pending else ()
+        cursors = tuple(cursor for key, cursor in data.cursors.items() if self._wanted(key, shards))
         if progress is not None:
-            progress(len(pending) + len(cursors))
-        return EngineSnapshot(cursors=cursors, pending=pending)
+            progress(len(held) + len(cursors))
+        return EngineSnapshot(cursors=cursors, pending=held)
+
+    async def pending_pages(
+        self,
+        subscription: str,
+        shards: frozenset[int] | None,
+        max_payload_bytes: int | PayloadBudget | None,
+        progress: Callable[[int], None] | None,
+    ) -> AsyncIterator[list[Message]]:
+        data = self._data(subscription)
+        ids = self._pending_ids(data, shards)
+        read = 0
+        for start in range(0, len(ids), self._page_size):
+            page_ids = ids[start : start + self._page_size]
+            page = await retrying(functools.partial(self._read_page, data, page_ids), "pending_pages", None)
+            read += len(page)
+            if progress is not None:
+                progress(read)
+            if page:
+                yield sorted(page, key=restore_order)
+
+    async def _read_page(self, data: _SubscriptionData, doc_ids: list[str]) -> list[Message]:
+        """One page: those of ``doc_ids`` still pending (a call ``fail_next`` can fail)."""
+        self._enter("pending_pages")
+        return [data.records[doc_id].message for doc_id in doc_ids if data.records[doc_id].state == _PENDING]
 
     async def read_payloads(self, subscription: str, messages: Sequence[Message], now_ms: int) -> list[Message]:
         self._enter("read_payloads")
@@ -230,6 +270,17 @@ class MemoryStore:
         self.closed = True
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _wanted(self, key: str, shards: frozenset[int] | None) -> bool:
+        return shards is None or shard_of(key, self._shards) in shards
+
+    def _pending_ids(self, data: _SubscriptionData, shards: frozenset[int] | None) -> list[str]:
+        """The records not yet finished of ``shards``' keys, in stored order."""
+        return [
+            doc_id
+            for doc_id, record in data.records.items()
+            if record.state == _PENDING and self._wanted(record.message.key, shards)
+        ]
 
     @staticmethod
     def _record_of(data: _SubscriptionData, message: Message) -> _Record:

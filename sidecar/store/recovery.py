@@ -24,7 +24,9 @@ Rules, and why each keeps the guarantees of DESIGN §1:
    message is dead-lettered aside: it never blocks; in sequence mode its position counts as
    finished (it will never be delivered), so the key does not wait for it again.
 4. **Pending messages are handed back as they are**; the engine's restore replays them through its
-   own rules (duplicates of held messages, late messages below the cursor).
+   own rules (duplicates of held messages, late messages below the cursor). ``restorable`` checks
+   and orders them: all of a load's in ``recover``, or one page at a time when the load read the
+   state only (``DocumentStore.pending_pages``).
 5. **Bounded work.** One pass over what was read: recovery ends in time linear in the documents
    loaded, whatever the store holds (no read loops driven by what a document says).
 6. **Loud on foreign data.** A document of ours that is malformed or from a newer layout stops
@@ -175,15 +177,26 @@ def recover(
         state.written_ms = None
         state.dirty_since_ms = 0 if cursor_fields(state) != stored.get(state.key) else None
     cursors = [key_cursor(state, mode) for state in states.values()]
-    for message in pending:
+    snapshot = EngineSnapshot(cursors=tuple(c for c in cursors if c is not None), pending=restorable(pending, mode))
+    return Recovered(snapshot=snapshot, states=states, since_ms=since)
+
+
+def restore_order(message: Message) -> tuple[int, str, int, int, str]:
+    """Stored order, then position: the engine gets each key's messages in a stable order."""
+    return (message.stored_at_ms, message.key, message.sequence or 0, message.timestamp_ms or 0, message.dedup_id)
+
+
+def restorable(pending: Iterable[Message], mode: Mode) -> tuple[Message, ...]:
+    """Pending messages in ``restore_order``, each checked to carry its mode's position (sequence
+    mode ``seq``, watermark ``ts``): all of a load's at once, or one page of them; raises
+    CorruptDocument naming the first document that does not."""
+    checked = list(pending)
+    for message in checked:
         if mode == "sequence" and message.sequence is None:
             raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no seq")
         if mode == "watermark" and message.timestamp_ms is None:
             raise CorruptDocument(f"message document {message.payload.ref if message.payload else '?'}: no ts")
-    # Stored order, then position: the engine gets each key's messages in a stable order.
-    ordered = sorted(pending, key=lambda m: (m.stored_at_ms, m.key, m.sequence or 0, m.timestamp_ms or 0, m.dedup_id))
-    snapshot = EngineSnapshot(cursors=tuple(c for c in cursors if c is not None), pending=tuple(ordered))
-    return Recovered(snapshot=snapshot, states=states, since_ms=since)
+    return tuple(sorted(checked, key=restore_order))
 
 
 def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, int, str | None, str, Any, Any, bool]:

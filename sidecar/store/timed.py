@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store.api import IncomingMessage, PayloadBudget, PersistResult, Store
@@ -40,8 +40,19 @@ class TimedStore:
         progress: Callable[[int], None] | None = None,
         max_payload_bytes: int | PayloadBudget | None = None,
         shards: frozenset[int] | None = None,
+        *,
+        pending: bool = True,
     ) -> EngineSnapshot:
-        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes, shards)
+        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes, shards, pending=pending)
+
+    def pending_pages(
+        self,
+        subscription: str,
+        shards: frozenset[int] | None,
+        max_payload_bytes: int | PayloadBudget | None,
+        progress: Callable[[int], None] | None,
+    ) -> AsyncIterator[list[Message]]:
+        return self._inner.pending_pages(subscription, shards, max_payload_bytes, progress)
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         return self._inner.cursor(subscription, key)

@@ -6,86 +6,22 @@ nothing of itself behind, and loading the shard again later works."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
+from gated_documents import DEADLINE_SECONDS as _DEADLINE_SECONDS
+from gated_documents import GatedDocuments, keys_by_shard, until
 from store_helpers import ack, incoming
 
 from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
-from sidecar.shards import shard_of
-from sidecar.store import documents as docs
 from sidecar.store import layout
 from sidecar.store.api import PayloadBudget, SubscriptionStoreConfig
 from sidecar.store.document_store import DocumentStore
-from sidecar.store.memory_documents import MemoryDocuments
 
 _SHARDS = 4
 _CONFIG = {"orders": SubscriptionStoreConfig(mode="sequence", shards=_SHARDS)}
-_DEADLINE_SECONDS = 10.0
 
 
-class GatedDocuments(MemoryDocuments):
-    """MemoryDocuments whose queries of gated shards wait until their gate opens; records which
-    shards have a query waiting, so a test can see two loads reading at the same time."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gates: dict[int, asyncio.Event] = {}
-        self.waiting: dict[int, int] = {}
-        self.changed = asyncio.Event()
-
-    async def query(
-        self,
-        parent: str,
-        collection: str,
-        where: docs.Filter | Sequence[docs.Filter] | None,
-        order_by: str | None,
-        after: object | None,
-        limit: int,
-    ) -> docs.Page:
-        shard = _shard_queried(docs.filters_of(where))
-        gate = self.gates.get(shard) if shard is not None else None
-        if gate is not None and shard is not None:
-            self.waiting[shard] = self.waiting.get(shard, 0) + 1
-            self.changed.set()
-            try:
-                await gate.wait()
-            finally:
-                self.waiting[shard] -= 1
-        return await super().query(parent, collection, where, order_by, after, limit)
-
-
-def _shard_queried(filters: list[docs.Filter]) -> int | None:
-    """The shard a load's query reads: ``shard == X``, or X's ``done_at`` range."""
-    for condition in filters:
-        if condition.field == layout.SHARD:
-            return int(condition.value)
-        if condition.field == layout.DONE_AT:
-            return int(str(condition.value)[:4])
-    return None
-
-
-async def _until(documents: GatedDocuments, predicate, what: str) -> None:
-    async def wait() -> None:
-        while not predicate():
-            documents.changed.clear()
-            await documents.changed.wait()
-
-    try:
-        await asyncio.wait_for(wait(), _DEADLINE_SECONDS)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
-
-
-def _keys_by_shard(per_shard: int) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {shard: [] for shard in range(_SHARDS)}
-    for i in range(10_000):
-        key = f"k{i}"
-        keys = out[shard_of(key, _SHARDS)]
-        if len(keys) < per_shard:
-            keys.append(key)
-        if all(len(keys) == per_shard for keys in out.values()):
-            return out
-    raise AssertionError("not enough keys")
+def _keys(per_shard: int) -> dict[int, list[str]]:
+    return keys_by_shard(_SHARDS, per_shard)
 
 
 async def _filled(documents: GatedDocuments, keys: dict[int, list[str]], per_key: int) -> None:
@@ -101,17 +37,17 @@ async def _filled(documents: GatedDocuments, keys: dict[int, list[str]], per_key
 
 async def test_two_shards_load_at_the_same_time_and_each_restores_only_its_keys() -> None:
     documents = GatedDocuments()
-    keys = _keys_by_shard(3)
+    keys = _keys(3)
     await _filled(documents, keys, per_key=4)
     documents.gates = {0: asyncio.Event(), 1: asyncio.Event()}
     store = DocumentStore(documents, _CONFIG, background_flush=False)
 
     loads = {shard: asyncio.ensure_future(store.load("orders", 2_000, shards=frozenset({shard}))) for shard in (0, 1)}
     # Both shards read at once: neither waits for the other's load to end (the reads hold no lock).
-    await _until(documents, lambda: documents.waiting.get(0, 0) > 0 and documents.waiting.get(1, 0) > 0, "both reading")
+    await until(documents, lambda: documents.waiting.get(0, 0) > 0 and documents.waiting.get(1, 0) > 0, "both reading")
     assert not any(load.done() for load in loads.values())
     # And each load's reads run together: its cursors, tombstones and pending messages are all asked for.
-    await _until(documents, lambda: documents.waiting[0] >= 3 and documents.waiting[1] >= 3, "three reads per load")
+    await until(documents, lambda: documents.waiting[0] >= 3 and documents.waiting[1] >= 3, "three reads per load")
     documents.gates[1].set()
     snapshot_1 = await asyncio.wait_for(loads[1], _DEADLINE_SECONDS)
     assert not loads[0].done()
@@ -130,17 +66,17 @@ async def test_two_shards_load_at_the_same_time_and_each_restores_only_its_keys(
 
 async def test_a_load_cancelled_midway_leaves_nothing_and_the_shard_loads_again_later() -> None:
     documents = GatedDocuments()
-    keys = _keys_by_shard(2)
+    keys = _keys(2)
     await _filled(documents, keys, per_key=3)
     documents.gates = {0: asyncio.Event(), 1: asyncio.Event()}
     store = DocumentStore(documents, _CONFIG, background_flush=False)
 
     dropped = asyncio.ensure_future(store.load("orders", 2_000, shards=frozenset({0})))
     other = asyncio.ensure_future(store.load("orders", 2_000, shards=frozenset({1})))
-    await _until(documents, lambda: documents.waiting.get(0, 0) >= 3 and documents.waiting.get(1, 0) >= 3, "reading")
+    await until(documents, lambda: documents.waiting.get(0, 0) >= 3 and documents.waiting.get(1, 0) >= 3, "reading")
     # Shard 0 is dropped while it loads: its lease manager cancels the load.
     dropped.cancel()
-    await _until(documents, lambda: documents.waiting[0] == 0, "the cancelled reads to end")
+    await until(documents, lambda: documents.waiting[0] == 0, "the cancelled reads to end")
     assert dropped.cancelled()
     documents.gates[1].set()
     await asyncio.wait_for(other, _DEADLINE_SECONDS)
@@ -155,14 +91,14 @@ async def test_a_load_cancelled_midway_leaves_nothing_and_the_shard_loads_again_
 
 async def test_acks_of_a_loaded_shard_commit_while_another_shard_is_still_loading() -> None:
     documents = GatedDocuments()
-    keys = _keys_by_shard(1)
+    keys = _keys(1)
     writer = DocumentStore(documents, _CONFIG, background_flush=False)
     await writer.persist("orders", [incoming(keys[0][0], 1), incoming(keys[1][0], 2)], 1_000)
     store = DocumentStore(documents, _CONFIG, background_flush=False)
     loaded = await store.load("orders", 2_000, shards=frozenset({0}))
     documents.gates = {1: asyncio.Event()}
     loading = asyncio.ensure_future(store.load("orders", 2_000, shards=frozenset({1})))
-    await _until(documents, lambda: documents.waiting.get(1, 0) >= 3, "shard 1 reading")
+    await until(documents, lambda: documents.waiting.get(1, 0) >= 3, "shard 1 reading")
 
     # The load of shard 1 holds no lock while it reads: shard 0's ack commits meanwhile.
     (message,) = loaded.pending
@@ -175,7 +111,7 @@ async def test_acks_of_a_loaded_shard_commit_while_another_shard_is_still_loadin
 
 async def test_loads_at_the_same_time_share_one_payload_budget() -> None:
     documents = GatedDocuments()
-    keys = _keys_by_shard(1)
+    keys = _keys(1)
     writer = DocumentStore(documents, _CONFIG, background_flush=False)
     await writer.persist(
         "orders",
@@ -188,7 +124,7 @@ async def test_loads_at_the_same_time_share_one_payload_budget() -> None:
     budget = PayloadBudget(8_000)
     documents.gates = {0: asyncio.Event(), 1: asyncio.Event()}
     loads = [asyncio.ensure_future(store.load("orders", 2_000, None, budget, frozenset({s}))) for s in (0, 1)]
-    await _until(documents, lambda: documents.waiting.get(0, 0) >= 3 and documents.waiting.get(1, 0) >= 3, "reading")
+    await until(documents, lambda: documents.waiting.get(0, 0) >= 3 and documents.waiting.get(1, 0) >= 3, "reading")
     documents.gates[0].set()
     documents.gates[1].set()
     snapshots = await asyncio.wait_for(asyncio.gather(*loads), _DEADLINE_SECONDS)
