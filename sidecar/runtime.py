@@ -451,6 +451,14 @@ class SubscriptionRuntime:
             for event in self._wakers:
                 event.set()
 
+    async def loaded(self) -> None:
+        """Wait until every shard's pending messages are restored (``_load_pending``); raises the
+        runtime's failure if a load failed for good."""
+        while self._loaders:
+            await asyncio.wait(list(self._loaders.values()))
+        if self.failure is not None:
+            raise SubscriptionUnavailable(self.unavailable_reason()) from self.failure
+
     @property
     def loading_shards(self) -> int:
         """Shards whose pending messages are still being read."""

@@ -236,6 +236,7 @@ async def sidecar_with_a_gap() -> AsyncIterator[str]:
     server = GrpcServer({"orders": runtime}, "127.0.0.1:0")
     try:
         await runtime.recover()
+        await runtime.loaded()
         await runtime.start()
         address = await server.start()
         await server.set_serving()

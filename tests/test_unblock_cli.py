@@ -53,6 +53,7 @@ async def blocked_sidecar() -> AsyncIterator[Sidecar]:
     server = GrpcServer({"orders": runtime}, "127.0.0.1:0")
     try:
         await runtime.recover()
+        await runtime.loaded()
         await runtime.start()
         address = await server.start()
         await server.set_serving()

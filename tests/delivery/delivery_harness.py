@@ -172,6 +172,7 @@ class Harness:
                 name, config, self.store, self.dead_letters, id_prefix=f"{name}-", max_held_bytes=self.max_held_bytes
             )
             await runtime.recover()
+            await runtime.loaded()
             await runtime.start()
             self.runtimes[name] = runtime
         self.server = GrpcServer(self.runtimes, self.listen)
@@ -199,21 +200,7 @@ class Harness:
     async def publish(self, subscription: str, items: Sequence[tuple[str, int]]) -> list[Message]:
         """Persist ``(key, sequence)`` messages and hand the stored ones to the runtime, like ingest."""
         mode = self.configs[subscription].mode
-        incoming = [
-            IncomingMessage(
-                key=key,
-                dedup_id=f"{key}/{seq}",
-                message_id=f"m-{key}-{seq}",
-                data=f"{key}:{seq}".encode(),
-                attributes={"seq": str(seq)},
-                ordering_key=key,
-                publish_time_ms=wall_clock_ms(),
-                fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
-                sequence=seq if mode == "sequence" else None,
-                timestamp_ms=None,
-            )
-            for key, seq in items
-        ]
+        incoming = [incoming_message(key, seq, sequenced=mode == "sequence") for key, seq in items]
         results = await self.store.persist(subscription, incoming, wall_clock_ms())
         stored = [r.message for r in results if r.outcome is PersistOutcome.STORED]
         self.runtimes[subscription].on_stored(stored)
@@ -228,6 +215,22 @@ class Harness:
             await self.server.stop(0)
         for runtime in self.runtimes.values():
             await runtime.stop(0)
+
+
+def incoming_message(key: str, seq: int, *, sequenced: bool = True) -> IncomingMessage:
+    """Key ``key``, data ``key:seq``; sequence ``seq`` unless ``sequenced`` is False (dedup id ``key/seq``)."""
+    return IncomingMessage(
+        key=key,
+        dedup_id=f"{key}/{seq}",
+        message_id=f"m-{key}-{seq}",
+        data=f"{key}:{seq}".encode(),
+        attributes={"seq": str(seq)},
+        ordering_key=key,
+        publish_time_ms=wall_clock_ms(),
+        fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
+        sequence=seq if sequenced else None,
+        timestamp_ms=None,
+    )
 
 
 def sequence_config(**overrides: object) -> EngineConfig:

@@ -25,6 +25,7 @@ async def test_confirmed_acks_survive_a_restart_and_unconfirmed_ones_come_back(h
     # A new process over the same store: a/1 is done; a/2 and b/1 were never acked.
     restarted = SubscriptionRuntime("orders", sequence_config(), harness.store, RecordingDeadLetters())
     await restarted.recover()
+    await restarted.loaded()
     await restarted.start()
     try:
         deliveries = restarted.take("consumer", 10)
@@ -92,6 +93,8 @@ async def test_nothing_is_delivered_before_recovery() -> None:
         raise AssertionError("on_stored accepted messages before recovery")
 
     await runtime.recover()
+
+    await runtime.loaded()
     assert runtime.counters.store_retries == 2
     assert runtime.is_ready
 

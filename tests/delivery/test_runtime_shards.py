@@ -105,6 +105,7 @@ def keys_of_shard(shard: int, count: int) -> list[str]:
 async def world() -> World:
     w = World()
     await w.runtime.recover()
+    await w.runtime.loaded()
     await w.runtime.start()
     yield w  # type: ignore[misc]
     await w.runtime.stop(grace_seconds=0.5)
@@ -114,6 +115,7 @@ async def test_an_adopted_shard_delivers_its_keys_with_its_epoch_and_others_are_
     mine, other = keys_of_shard(0, 2), keys_of_shard(1, 1)
     world.hold(0, 7)
     await world.runtime.adopt_shard(0, 7)
+    await world.runtime.loaded()
     await world.store_messages([(mine[0], 1), (mine[1], 1), (other[0], 1)])
 
     deliveries = world.runtime.take("c", 10)
@@ -129,6 +131,7 @@ async def test_a_shard_loaded_after_a_handover_resumes_at_its_durable_cursor(wor
     (key,) = keys_of_shard(2, 1)
     world.hold(2, 1)
     await world.runtime.adopt_shard(2, 1)
+    await world.runtime.loaded()
     await world.store_messages([(key, 1), (key, 2)])
     (first,) = world.runtime.take("c", 10)
     assert (await world.runtime.ack("c", [first.delivery_id])).confirmed == [first.delivery_id]
@@ -138,6 +141,7 @@ async def test_a_shard_loaded_after_a_handover_resumes_at_its_durable_cursor(wor
     world.runtime.drop_shard(2, 1)
     world.hold(2, 3)
     await world.runtime.adopt_shard(2, 3)
+    await world.runtime.loaded()
 
     (again,) = world.runtime.take("c", 10)
     assert (again.message.sequence, again.epoch) == (2, 3)
@@ -148,7 +152,9 @@ async def test_acks_of_a_stolen_shard_are_not_confirmed_and_the_others_are(world
     world.hold(0, 1)
     world.hold(3, 1)
     await world.runtime.adopt_shard(0, 1)
+    await world.runtime.loaded()
     await world.runtime.adopt_shard(3, 1)
+    await world.runtime.loaded()
     await world.store_messages([(a, 1), (a, 2), (b, 1)])
     deliveries = {d.message.key: d for d in world.runtime.take("c", 10)}
     world.steal(0)  # this pod still believes it holds shard 0
@@ -168,6 +174,7 @@ async def test_a_woken_pod_hands_out_nothing_of_a_shard_whose_lease_ran_out(worl
     (key,) = keys_of_shard(1, 1)
     world.hold(1, 4)
     await world.runtime.adopt_shard(1, 4)
+    await world.runtime.loaded()
     await world.store_messages([(key, 1)])
     del world.epochs[1]  # the lease margin ran out while the process was stopped
 
@@ -180,6 +187,7 @@ async def test_drain_waits_for_in_flight_acks_then_returns(world: World) -> None
     (key,) = keys_of_shard(0, 1)
     world.hold(0, 2)
     await world.runtime.adopt_shard(0, 2)
+    await world.runtime.loaded()
     await world.store_messages([(key, 1), (key, 2)])
     (delivery,) = world.runtime.take("c", 10)
 
@@ -197,6 +205,7 @@ async def test_drain_gives_up_at_its_timeout(world: World) -> None:
     (key,) = keys_of_shard(0, 1)
     world.hold(0, 2)
     await world.runtime.adopt_shard(0, 2)
+    await world.runtime.loaded()
     await world.store_messages([(key, 1)])
     world.runtime.take("c", 10)
     loop = asyncio.get_running_loop()
@@ -215,11 +224,13 @@ async def test_ids_of_an_earlier_epoch_are_unknown_after_a_handover(world: World
     (key,) = keys_of_shard(3, 1)
     world.hold(3, 1)
     await world.runtime.adopt_shard(3, 1)
+    await world.runtime.loaded()
     await world.store_messages([(key, 1)])
     (old,) = world.runtime.take("c", 10)
     world.runtime.drop_shard(3, 1)
     world.hold(3, 2)
     await world.runtime.adopt_shard(3, 2)
+    await world.runtime.loaded()
 
     result = await world.runtime.ack("c", [old.delivery_id])
 

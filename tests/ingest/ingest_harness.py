@@ -120,6 +120,7 @@ class IngestHarness:
         self.dead_letters = DeadLetterPublisher({self.name: self.dead_letter_topic})
         self.runtime = SubscriptionRuntime(self.name, self.config.engine_config(), self.store, self.dead_letters)
         await self.runtime.recover()
+        await self.runtime.loaded()
         await self.runtime.start()
 
     async def start_ingest(self) -> None:
