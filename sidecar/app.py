@@ -47,7 +47,7 @@ from sidecar.leases.manager import ShardLeases
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
 from sidecar.ownership import ShardOwnership
-from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime
+from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
 from sidecar.store.firestore import FirestoreStore, check_deployment
@@ -94,6 +94,8 @@ class Sidecar:
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _watchers: dict[asyncio.Future[Any], str] = field(default_factory=dict)
     """Long-running tasks of the components (ingest, watermark, runtime): one ending means failure."""
+    _freeze: asyncio.Future[None] | None = None
+    """Freezes what the first recovery loaded, once its pending pages are restored."""
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
@@ -117,6 +119,8 @@ class Sidecar:
                 self.failure = exc
                 _LOGGER.critical("sidecar failed: %s", _describe(exc), exc_info=exc)
             finally:
+                if self._freeze is not None:
+                    self._freeze.cancel()
                 readiness.mark_shutting_down()
                 errors = await _shutdown(subs, grpc_server, http, self.grace_seconds, stopped)
                 for step, step_error in errors:
@@ -250,8 +254,9 @@ class Sidecar:
                 watchers[asyncio.ensure_future(s.watermark.run())] = f"watermark source of {name}"
             if s.runtime.task is not None:
                 watchers[s.runtime.task] = f"runtime of {name}"
-        # Ready only once every shard of the first lease round is loaded, however long that takes:
-        # before, the app would connect to a sidecar that has nothing of those shards to deliver.
+        # Ready only once every shard of the first lease round has its cursors read (its pending
+        # messages are read after, while its keys deliver), however long that takes: before, the
+        # app would connect to a sidecar that had nothing of those shards to deliver.
         # A stuck load is liveness's to catch (``RECOVERY_STALL_SECONDS``); a pod that got no lease
         # is ready after its first round.
         if await self._first_rounds_loaded(subs):
@@ -261,7 +266,7 @@ class Sidecar:
             _LOGGER.info(
                 "sidecar ready: %d subscriptions, gRPC on %s, HTTP on %s", len(subs), grpc_address, http_address
             )
-            _freeze_recovered_objects()
+            self._freeze = asyncio.ensure_future(_freeze_once_loaded(subs))
 
         stop_wait = asyncio.ensure_future(self._stop.wait())
         try:
@@ -295,6 +300,16 @@ class Sidecar:
             if not loaded.done():
                 loaded.cancel()
         return loaded.done() and not loaded.cancelled() and all(loaded.result())
+
+
+async def _freeze_once_loaded(subs: dict[str, _Subscription]) -> None:
+    """Freeze what recovery loaded once the first round's pending pages are all restored."""
+    for s in subs.values():
+        try:
+            await s.runtime.loaded()
+        except SubscriptionUnavailable:
+            return  # the runtime failed: the sidecar is stopping
+    _freeze_recovered_objects()
 
 
 def _freeze_recovered_objects() -> None:

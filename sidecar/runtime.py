@@ -263,6 +263,7 @@ class SubscriptionRuntime:
         self._loads = 0
         """Shard loads in progress (``adopt_shard``, and the pending pages after it): liveness
         watches their progress too."""
+        self._load_failed = asyncio.Event()
         self._loaders: dict[int, asyncio.Task[None]] = {}
         """Per shard, the task restoring its pending messages (``_load_pending``)."""
         self._budget: PayloadBudget | None = None
@@ -445,6 +446,7 @@ class SubscriptionRuntime:
         if exc is not None:
             # A permanent StoreError (a corrupt document): nothing of the shard can be proven in order.
             self.failure = self.failure or _first_cause(exc)
+            self._load_failed.set()
             _LOGGER.critical(
                 "subscription %s: loading shard %d failed; its streams end", self.name, shard, exc_info=exc
             )
@@ -564,12 +566,19 @@ class SubscriptionRuntime:
                 group.create_task(self._ack_commit_loop(), name=f"acks:{self.name}")
                 group.create_task(self._dead_letter_loop(), name=f"dead-letters:{self.name}")
                 group.create_task(self._drop_loop(), name=f"drops:{self.name}")
+                group.create_task(self._watch_loads(), name=f"loads:{self.name}")
         except BaseException as exc:
             # Waiting streams must learn that their acks will not be confirmed by this process.
             self._fail_pending_acks(SubscriptionUnavailable(f"subscription {self.name!r} stopped"))
             if not isinstance(exc, asyncio.CancelledError):
                 self.failure = _first_cause(exc)
             raise
+
+    async def _watch_loads(self) -> None:
+        """Ends ``run()`` with the error of a shard load that failed for good (its task runs apart)."""
+        await self._load_failed.wait()
+        assert self.failure is not None
+        raise self.failure
 
     async def stop(self, grace_seconds: float = 5.0) -> None:
         """Stop delivering, let queued acks commit for up to ``grace_seconds``, then stop the workers.
