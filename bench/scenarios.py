@@ -481,7 +481,7 @@ class Runner:
                 lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
                 phase_timeout(pending),
                 f"the restarted sidecar to hold its {pending} messages",
-                0.1,
+                0.25,
             )
             loaded_seconds = time.monotonic() - restart_at
             rss = peak_rss_mb(sidecar.pid)

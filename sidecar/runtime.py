@@ -264,6 +264,11 @@ class SubscriptionRuntime:
         """Shard loads in progress (``adopt_shard``, and the pending pages after it): liveness
         watches their progress too."""
         self._load_failed = asyncio.Event()
+        self._state_loads = 0
+        """Shard loads reading their state (``load(pending=False)``) now."""
+        self._states_read = asyncio.Event()
+        """Set while no shard's state is being read: pending pages wait for it."""
+        self._states_read.set()
         self._loaders: dict[int, asyncio.Task[None]] = {}
         """Per shard, the task restoring its pending messages (``_load_pending``)."""
         self._budget: PayloadBudget | None = None
@@ -381,9 +386,16 @@ class SubscriptionRuntime:
         (``_load_pending``), each page restored into the engine as it arrives."""
         extra: dict[str, object] = {} if shards is None else {"shards": shards}
         budget = self._payload_budget()
-        snapshot = await self._retry_store(
-            self._store.load, progress=self._progress_counter(), max_payload_bytes=budget, pending=False, **extra
-        )
+        self._state_loads += 1
+        self._states_read.clear()
+        try:
+            snapshot = await self._retry_store(
+                self._store.load, progress=self._progress_counter(), max_payload_bytes=budget, pending=False, **extra
+            )
+        finally:
+            self._state_loads -= 1
+            if not self._state_loads:
+                self._states_read.set()
         engine = Engine.restore(
             self._config,
             snapshot,
@@ -411,14 +423,25 @@ class SubscriptionRuntime:
         """Restore the shard's pending messages into its loading engine, page by page, then end
         the load (gap timers, the watermark, the fast path and the messages stored meanwhile)."""
         restored = 0
-        async for page in self._store.pending_pages(self.name, shards, budget, self._progress_counter()):
-            if self._engines.get(entry.shard) is not entry:
-                return  # dropped meanwhile: nothing of it is restored
-            fresh = [message for message in page if entry.admit(message)]
-            entry.engine.restore_pending(fresh, self._clock())
-            entry.held_bytes += _held_size(fresh)
-            restored += len(fresh)
-            self._after_change()
+        pages = self._store.pending_pages(self.name, shards, budget, self._progress_counter())
+        try:
+            while True:
+                # The state of the shards being taken comes first: it is what readiness and their
+                # first deliveries wait for, and the pages' reads would only queue ahead of it.
+                await self._states_read.wait()
+                try:
+                    page = await anext(pages)
+                except StopAsyncIteration:
+                    break
+                if self._engines.get(entry.shard) is not entry:
+                    return  # dropped meanwhile: nothing of it is restored
+                fresh = [message for message in page if entry.admit(message)]
+                entry.engine.restore_pending(fresh, self._clock())
+                entry.held_bytes += _held_size(fresh)
+                restored += len(fresh)
+                self._after_change()
+        finally:
+            await pages.aclose()
         if self._engines.get(entry.shard) is not entry:
             return
         entry.handed = None

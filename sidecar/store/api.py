@@ -10,7 +10,7 @@ and only then confirms the acks to the app; recovery calls ``load`` before anyth
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -228,7 +228,7 @@ class Store(Protocol):
         shards: frozenset[int] | None,
         max_payload_bytes: int | PayloadBudget | None,
         progress: Callable[[int], None] | None,
-    ) -> AsyncIterator[list[Message]]:
+    ) -> AsyncGenerator[list[Message], None]:
         """Every pending message of ``shards`` (None: all), a page at a time (an async generator),
         for the caller to restore each page while it already delivers (after ``load(pending=False)``
         of the same shards). Within a page, messages are in the order ``load`` gives them; each

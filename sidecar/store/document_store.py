@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
@@ -415,7 +415,7 @@ class DocumentStore:
         shards: frozenset[int] | None,
         max_payload_bytes: int | PayloadBudget | None,
         progress: Progress | None,
-    ) -> AsyncIterator[list[Message]]:
+    ) -> AsyncGenerator[list[Message], None]:
         # Reads only (no ``sub.lock``): pending documents are the intake's and the acks', and what
         # they change meanwhile reaches the engine through them. One load slot per page, so that
         # pages of many shards and the shards' state loads share the bound on reads at once.

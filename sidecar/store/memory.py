@@ -34,7 +34,7 @@ import asyncio
 import collections
 import functools
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
@@ -237,7 +237,7 @@ class MemoryStore:
         shards: frozenset[int] | None,
         max_payload_bytes: int | PayloadBudget | None,
         progress: Callable[[int], None] | None,
-    ) -> AsyncIterator[list[Message]]:
+    ) -> AsyncGenerator[list[Message], None]:
         data = self._data(subscription)
         ids = self._pending_ids(data, shards)
         read = 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store.api import IncomingMessage, PayloadBudget, PersistResult, Store
@@ -51,7 +51,7 @@ class TimedStore:
         shards: frozenset[int] | None,
         max_payload_bytes: int | PayloadBudget | None,
         progress: Callable[[int], None] | None,
-    ) -> AsyncIterator[list[Message]]:
+    ) -> AsyncGenerator[list[Message], None]:
         return self._inner.pending_pages(subscription, shards, max_payload_bytes, progress)
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:

@@ -7,7 +7,7 @@ chooses exactly what has been read when it takes, acks, or lets time pass.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import pytest
 from delivery_harness import RecordingDeadLetters, sequence_config, wait_until
@@ -36,7 +36,7 @@ class GatedPages(MemoryStore):
         shards: frozenset[int] | None,
         max_payload_bytes: int | PayloadBudget | None,
         progress: Callable[[int], None] | None,
-    ) -> AsyncIterator[list[Message]]:
+    ) -> AsyncGenerator[list[Message], None]:
         async for page in super().pending_pages(subscription, shards, max_payload_bytes, progress):
             if self.pages_read:
                 await self.next_page.wait()

@@ -1,4 +1,5 @@
-"""Equality indexes: a query with ``field == value`` reads the matching documents, not the collection.
+"""Equality indexes: a query with ``field == value`` reads the matching documents, not the collection;
+one with ``field < value`` (or ``<=``, ``>``, ``>=``) reads the documents holding a scalar there.
 
 Production serves every query from indexes, so its cost follows the size of the result, not of the
 collection (Firestore's documented query performance). A scan of the collection per query made the
@@ -56,6 +57,13 @@ class EqualityIndexes:
                 _add(index, record.doc, path, doc_id)
         return index.get(key, _EMPTY)
 
+    def holding(self, collection_path: str, docs: dict[str, Any], path: FieldPath) -> set[str]:
+        """Ids in the collection whose field ``path`` holds a scalar this index serves (what a
+        range filter on a scalar can match: ``<`` and friends compare within one type)."""
+        self.lookup(collection_path, docs, path, _NO_KEY)  # builds the index on first use
+        index = self._by_collection[collection_path][path]
+        return set().union(*index.values()) if index else set()
+
     def on_write(self, collection_path: str, doc_id: str, old: Any | None, new: Any | None) -> None:
         """A document changed (``old``/``new``: Document messages, None when absent)."""
         indexes = self._by_collection.get(collection_path)
@@ -72,6 +80,8 @@ class EqualityIndexes:
 
 
 _EMPTY: set[str] = set()
+_NO_KEY: Key = (-1,)
+"""Looked up only to build an index: no value has it."""
 
 
 def _key_of(doc: Any, path: FieldPath) -> Key | None:

@@ -109,6 +109,9 @@ class CompiledQuery:
     descending: list[bool] = field(default_factory=list)
     equalities: list[tuple[FieldPath, Key]] = field(default_factory=list)
     """``field == scalar`` conditions every result must meet (ANDed): served by equality indexes."""
+    range_paths: list[FieldPath] = field(default_factory=list)
+    """Fields with a ``<``/``<=``/``>``/``>=`` filter on a scalar that every result must meet
+    (ANDed): a result holds a scalar there, so the field's equality index has every candidate."""
 
     def collections(self, store: DocumentStore, read_us: int | None) -> list[str]:
         prefix = self.parent + "/"
@@ -178,6 +181,7 @@ def compile_query(parent: str, sq: Any, required_fields: Iterable[FieldPath] = (
         orders=orders,
         descending=[d for _, d in orders],
         equalities=_equalities(sq.where) if sq.HasField("where") else [],
+        range_paths=_range_paths(sq.where) if sq.HasField("where") else [],
     )
     if sq.HasField("start_at"):
         query.start = _cursor(sq.start_at, orders, "start_at")
@@ -206,6 +210,19 @@ def _equalities(f: Any) -> list[tuple[FieldPath, Key]]:
     path = parse_field_path(f.field_filter.field.field_path)
     key = indexable_key(f.field_filter.value) if f.field_filter.value.WhichOneof("value_type") else None
     return [] if path == NAME_PATH or key is None else [(path, key)]
+
+
+def _range_paths(f: Any) -> list[FieldPath]:
+    """The fields of ``<``/``<=``/``>``/``>=`` filters on a scalar that every match must meet, as
+    ``_equalities`` finds its filters."""
+    kind = f.WhichOneof("filter_type")
+    if kind == "composite_filter" and f.composite_filter.op == _AND:
+        return [found for sub in f.composite_filter.filters for found in _range_paths(sub)]
+    if kind != "field_filter" or f.field_filter.op not in (_LT, _LE, _GT, _GE):
+        return []
+    path = parse_field_path(f.field_filter.field.field_path)
+    scalar = f.field_filter.value.WhichOneof("value_type") and indexable_key(f.field_filter.value) is not None
+    return [] if path == NAME_PATH or not scalar else [path]
 
 
 def _and_exists(predicate: Predicate | None, path: FieldPath) -> Predicate:
@@ -372,6 +389,8 @@ def execute(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> 
         return []
     if len(query.orders) == 1 and query.collection_id and not query.all_descendants and read_us is None:
         picked = list(_by_name(store, query, wanted))
+    elif query.range_paths and query.collection_id and not query.all_descendants and read_us is None:
+        picked = _sort(query, _indexed(store, query))
     else:
         picked = _scan_and_sort(store, query, read_us)
     picked = picked[query.offset :]
@@ -438,11 +457,30 @@ def _candidates(store: DocumentStore, query: CompiledQuery, read_us: int | None)
                 yield record
 
 
+def _indexed(store: DocumentStore, query: CompiledQuery) -> Iterator[Record]:
+    """A range query's candidates: the documents holding a scalar in its range field (or matching
+    an equality), the fewest of them, from the indexes: the collection is not walked."""
+    collection_path = f"{query.parent}/{query.collection_id}"
+    collection = store.collections.get(collection_path)
+    if collection is None:
+        return iter(())
+    sets = [store.equality.lookup(collection_path, collection.docs, path, key) for path, key in query.equalities]
+    sets += [store.equality.holding(collection_path, collection.docs, path) for path in query.range_paths]
+    smallest = min(sets, key=len)
+    docs = collection.docs
+    return (docs[doc_id] for doc_id in list(smallest))
+
+
 def _scan_and_sort(store: DocumentStore, query: CompiledQuery, read_us: int | None) -> list[Record]:
+    return _sort(query, _candidates(store, query, read_us))
+
+
+def _sort(query: CompiledQuery, candidates: Iterable[Record]) -> list[Record]:
+    """The candidates that match, within the cursors, in the query's order."""
     predicate = query.predicate
     paths = [p for p, _ in query.orders]
     rows: list[tuple[list[Key], Record]] = []
-    for record in _candidates(store, query, read_us):
+    for record in candidates:
         doc = record.doc
         if predicate is not None and not predicate(doc):
             continue

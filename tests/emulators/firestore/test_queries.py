@@ -155,6 +155,39 @@ async def test_async_query_stream_and_count(aclient: firestore.AsyncClient) -> N
     assert [d.id async for d in col.list_documents()] == [f"d{i}" for i in range(5)]
 
 
+def test_range_queries_follow_writes_after_their_index_is_built(client: firestore.Client) -> None:
+    """``field < value`` (and ``<=``, ``>``, ``>=``) reads the documents holding a scalar in that
+    field from its index: values of other types, missing fields, updates, deletes, equalities
+    ANDed with the range, and cursors all answer as a scan would."""
+    col = client.collection("ranges")
+    batch = client.batch()
+    values: dict[str, object] = {"a": 1, "b": 2.5, "c": 3, "d": 7, "e": "x", "f": [1, 2], "g": None, "h": 4}
+    for doc_id, value in values.items():
+        batch.set(col.document(doc_id), {"n": value, "shard": 1 if doc_id in "abcd" else 2})
+    batch.set(col.document("none"), {"shard": 1})
+    batch.commit()
+
+    def between(low: float, high: float) -> list[str]:
+        query = col.where(filter=And([FieldFilter("n", ">=", low), FieldFilter("n", "<", high)]))
+        return _ids(query.order_by("n"))
+
+    assert between(2, 5) == ["b", "c", "h"]  # by n: 2.5, 3, 4; not the string, array, null or missing
+    col.document("d").update({"n": 2})
+    col.document("h").update({"n": "4"})
+    col.document("c").delete()
+    col.document("i").set({"n": 4.5, "shard": 1})
+    assert between(2, 5) == ["d", "b", "i"]
+    assert _ids(col.where(filter=FieldFilter("n", ">", 2)).order_by("n", direction="DESCENDING")) == ["i", "b"]
+    assert _ids(col.where(filter=FieldFilter("n", "<=", 2))) == ["a", "d"]
+    assert _ids(col.where(filter=FieldFilter("n", ">=", "0"))) == ["h", "e"]  # strings only: "4", "x"
+    shard_one = col.where(filter=And([FieldFilter("shard", "==", 1), FieldFilter("n", ">", 1)])).order_by("n")
+    assert _ids(shard_one) == ["d", "b", "i"]
+    first = list(shard_one.limit(2).stream())
+    assert _ids(shard_one.start_after(first[-1])) == ["i"]
+    col.document("i").update({"n": firestore.DELETE_FIELD})
+    assert between(0, 10) == ["a", "d", "b"]
+
+
 def test_equality_queries_follow_writes_after_their_index_is_built(client: firestore.Client) -> None:
     """``field == value`` is served from an index built on first use and kept by every commit:
     later creates, updates that move a document between values, deletes and an emptied
