@@ -145,11 +145,15 @@ class Reader:
                 read = functools.partial(self._pending_page, sub_path, where, after, budget)
                 page, messages = await retrying(read, f"{sub_path}/messages (pending)", attempts, slots)
                 progress(len(page.documents))
+                after = page.after
+                # The raw documents must not outlive their decoding: every load's generator waits
+                # suspended at ``yield``, and 16 raw pages of 2,000 documents weigh ~50 MB.
+                del page, read
                 if messages:
                     yield messages
-                if page.after is None:
+                    del messages
+                if after is None:
                     break
-                after = page.after
 
     async def _pending_page(
         self, sub_path: str, where: list[docs.Filter], after: object | None, budget: PayloadBudget | None
