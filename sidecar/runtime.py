@@ -403,6 +403,7 @@ class SubscriptionRuntime:
             id_prefix=self._engines.engine_prefix(shard, epoch),
             cursor_source=functools.partial(self._store.cursor, self.name),
             loading=True,
+            epoch=epoch,
         )
         entry = self._engines.add(shard, epoch, engine, 0)
         entry.handed = set()
@@ -773,8 +774,6 @@ class SubscriptionRuntime:
             if delivery.attempt == 1 and payload is not None:
                 size = 0 if payload.stripped else payload_size(payload)
                 entry.held_bytes = max(0, entry.held_bytes - size - HELD_MESSAGE_OVERHEAD_BYTES)
-            if entry.epoch:
-                delivery = dataclasses.replace(delivery, epoch=entry.epoch)
             deliveries.append(delivery)
         if deliveries:
             self._maybe_wake_timer()

@@ -132,8 +132,11 @@ class Engine:
         jitter: Callable[[], float] = lambda: 0.5,
         id_prefix: str = "",
         cursor_source: Callable[[str], KeyCursor | None] | None = None,
+        epoch: int = 0,
     ) -> None:
         _validate(config)
+        self._epoch = epoch
+        """Stamped on every ``Deliver``: the lease epoch of the shard this engine delivers."""
         self._cursor_source = cursor_source
         """A key's durable cursor by name (the store's): lets idle keys be forgotten and rebuilt."""
         self._idle: OrderedDict[str, KeyState] = OrderedDict()
@@ -206,6 +209,7 @@ class Engine:
         id_prefix: str = "",
         cursor_source: Callable[[str], KeyCursor | None] | None = None,
         loading: bool = False,
+        epoch: int = 0,
     ) -> Engine:
         """Rebuild from the store's cursors and pending messages.
 
@@ -223,7 +227,7 @@ class Engine:
         (``on_stored``) wait for the end of the load, so that of two copies of one position the
         first stored still wins.
         """
-        engine = cls(config, jitter=jitter, id_prefix=id_prefix, cursor_source=cursor_source)
+        engine = cls(config, jitter=jitter, id_prefix=id_prefix, cursor_source=cursor_source, epoch=epoch)
         engine._loading = loading
         seen: set[str] = set()
         for cursor in snapshot.cursors:
@@ -1003,7 +1007,8 @@ class Engine:
             entry.deliveries,
             entry.late and not entry.replayed,
             tuple(skipped) if skipped else (),
-            replayed=entry.replayed,
+            self._epoch,
+            entry.replayed,
         )
 
     def _end_delivery(self, entry: Entry, *, from_timer: bool) -> None:

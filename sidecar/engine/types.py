@@ -124,8 +124,8 @@ class Deliver:
     late: bool = False
     skipped: tuple[SkippedRange, ...] = ()
     epoch: int = 0
-    """The lease epoch of the key's shard at delivery (set by the runtime; 0 without leases): the
-    app's fencing token for side effects of this key."""
+    """The lease epoch of the key's shard at delivery (the engine's ``epoch``; 0 without leases):
+    the app's fencing token for side effects of this key."""
     replayed: bool = False
     """A replay delivered outside its key's order: the key had already passed its position."""
 
