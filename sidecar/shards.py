@@ -9,6 +9,7 @@ per-process ``hash()`` seed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 MAX_SHARDS = 1024
@@ -16,8 +17,10 @@ MAX_SHARDS = 1024
 on each lease round, so the count is kept to what balancing needs (a few per pod)."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def shard_of(key: str, count: int) -> int:
-    """The shard of ``key`` among ``count`` shards (0 .. count-1)."""
+    """The shard of ``key`` among ``count`` shards (0 .. count-1). A key's shard is asked several
+    times per message (intake, delivery, acks, cursors): the recently used keys' are remembered."""
     if not 1 <= count <= MAX_SHARDS:
         raise ValueError(f"shard count must be 1..{MAX_SHARDS}, got {count}")
     digest = hashlib.sha256(b"pubsub-sidecar/shard\x00" + key.encode("utf-8", "surrogatepass")).digest()
