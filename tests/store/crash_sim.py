@@ -48,20 +48,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sidecar.engine import DeadLetter, Deliver, DropDuplicate, Engine, EngineConfig, Hold, UnknownDelivery
 from sidecar.engine.types import AckIntent, EngineSnapshot, Message
+from sidecar.shard_engines import ShardEngine
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
-from sidecar.store import layout
+from sidecar.store import layout, reader
 from sidecar.store.api import (
     DEAD_LETTERED,
     DEAD_LETTERED_ASIDE,
     DROPPED,
     IncomingMessage,
+    PayloadBudget,
     PersistOutcome,
     ShardLost,
     StoreError,
@@ -136,6 +138,13 @@ class SimConfig:
     pods: int = 1
     shards: int = 1
     """S: with 3 keys and S = 2 or 3, keys share shards or have their own."""
+    paged: bool = False
+    """Recover as the runtime does (``_load_shard``): each shard's state first (``load(...,
+    pending=False)``, ``Engine.restore(..., loading=True)``), then its pending messages page by page
+    (``pending_pages``), one page per ``page`` operation, anything else in between."""
+    page_size: int = 2
+    """Documents per query page while ``paged`` (the Firestore reader's ``_PAGE_SIZE``, 2,000 in
+    production): small, so that a shard's pending messages span several pages."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -163,6 +172,17 @@ class SimConfig:
 
 
 @dataclass
+class _Load:
+    """One shard's paged load under way (the runtime's ``_load_pending``): gone at a crash."""
+
+    entry: ShardEngine
+    """The runtime's own record of a loading shard: ``admit`` (its ``handed`` refs) is the rule that
+    each stored record reaches the engine once, whether a page or the intake hands it over first."""
+    pages: AsyncGenerator[list[Message], None]
+    """``DocumentStore.pending_pages`` for the shard, suspended between pages."""
+
+
+@dataclass
 class _Life:
     """What one process holds in memory: gone at a crash."""
 
@@ -186,6 +206,10 @@ class _Life:
     """Fast-path messages by ``id``: (the Pub/Sub copy whose ack waits, the engine's message)."""
     ack_tasks: list[tuple[asyncio.Task[None], list[AckIntent]]] = field(default_factory=list)
     """``commit_acks`` calls under way: one with fast-path acks waits for its shards' checkpoint."""
+    loads: dict[int, _Load] = field(default_factory=dict)
+    """Shards whose pending messages are still being read (``SimConfig.paged``)."""
+    budget: PayloadBudget | None = None
+    """The payload budget shared by the loads under way (the runtime's ``_payload_budget``)."""
 
     @property
     def engine(self) -> Engine:
@@ -229,6 +253,10 @@ class Simulation:
     handovers: int = 0
     fenced_writes: int = 0
     """Writes refused because the writer's lease had changed (``ShardLost``)."""
+    pages_restored: int = 0
+    loads_finished: int = 0
+    left_out: int = 0
+    """Records ``admit`` refused (a page's record handed over already, or the reverse)."""
 
     @property
     def life(self) -> _Life:
@@ -258,7 +286,16 @@ class Simulation:
     # ---- plumbing ---------------------------------------------------------------------------------
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        return self.loop.run_until_complete(coroutine)
+        if not self.config.paged:
+            return self.loop.run_until_complete(coroutine)
+        # Every store call runs in here (background ack tasks too), so the reader's page size is
+        # patched exactly while store code runs, and other tests never see it.
+        saved = reader._PAGE_SIZE
+        reader._PAGE_SIZE = self.config.page_size
+        try:
+            return self.loop.run_until_complete(coroutine)
+        finally:
+            reader._PAGE_SIZE = saved
 
     def _start(self) -> _Life:
         """The pod in focus starts: it loads the shards whose lease names it (all of them: load all)."""
@@ -273,14 +310,30 @@ class Simulation:
         )
         held = {shard: lease["epoch"] for shard, lease in self._leases().items() if lease["owner"] == f"p{pod}"}
         life = _Life(store, {}, dict(held))
-        if held:
+        if held and self.config.paged:
+            for shard in sorted(held):  # the runtime's ``_start``: one ``_load_shard`` per shard
+                self._load_state(life, shard)
+        elif held:
             shards = None if len(held) == self.config.shards else frozenset(held)
             snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes, shards))
             for shard in held:
                 self._restore_engine(life, shard, snapshot)
         return life
 
-    def _restore_engine(self, life: _Life, shard: int, snapshot: EngineSnapshot) -> None:
+    def _load_state(self, life: _Life, shard: int) -> None:
+        """A paged load's first phase (the runtime's ``_load_shard``): the shard's cursors, a loading
+        engine that delivers from them at once, and its pending messages' pages opened, not read."""
+        shards = None if self.config.shards == 1 else frozenset({shard})
+        if life.budget is None and self.config.max_held_bytes is not None:
+            life.budget = PayloadBudget(self.config.max_held_bytes - life.held_bytes)
+        snapshot = self._run(life.store.load(SUB, self.now_ms, None, life.budget, shards, pending=False))
+        assert not snapshot.pending, "load(pending=False) returned pending messages"
+        self._restore_engine(life, shard, snapshot, loading=True)
+        entry = ShardEngine(shard, life.believed[shard], life.engines[shard])
+        entry.handed = set()
+        life.loads[shard] = _Load(entry, life.store.pending_pages(SUB, shards, life.budget, None))
+
+    def _restore_engine(self, life: _Life, shard: int, snapshot: EngineSnapshot, loading: bool = False) -> None:
         """An engine for ``shard`` from the part of ``snapshot`` that is its."""
         mine = EngineSnapshot(
             cursors=tuple(c for c in snapshot.cursors if self._shard(c.key) == shard),
@@ -293,6 +346,7 @@ class Simulation:
             self.now_ms,
             id_prefix=f"p{self.active}-life{self.crashes}-h{self.handovers}-s{shard}-",
             cursor_source=lambda key: store.cursor(SUB, key),
+            loading=loading,
         )
         life.held_bytes += sum(len(m.payload.data) for m in mine.pending if m.payload is not None)
 
@@ -328,6 +382,11 @@ class Simulation:
         for shard in shards:
             life.engines.pop(shard, None)
             life.believed.pop(shard, None)
+            load = life.loads.pop(shard, None)
+            if load is not None:  # the runtime's ``drop_shard`` cancels the load: nothing more restored
+                self._run(load.pages.aclose())
+        if not life.loads:
+            life.budget = None
         life.store.release(SUB, shards)
 
         def kept(message: Message) -> bool:
@@ -390,7 +449,14 @@ class Simulation:
             task.cancel()
         if self.life.ack_tasks:
             self.loop.run_until_complete(asyncio.gather(*(t for t, _ in self.life.ack_tasks), return_exceptions=True))
+        self._close_loads(self.life)
         self.lives[self.active] = self._start()
+
+    def _close_loads(self, life: _Life) -> None:
+        """The reads of a life that ended (they write nothing: closing them only frees them)."""
+        for load in life.loads.values():
+            self._run(load.pages.aclose())
+        life.loads.clear()
 
     def run(self, operations: Sequence[tuple[str, int]]) -> None:
         """Play ``operations``, settle, check G1 and liveness, and close: one whole run."""
@@ -444,8 +510,49 @@ class Simulation:
         self._lose(frozenset({shard}))  # whatever it held of an earlier epoch is stale
         life.believed[shard] = lease["epoch"]
         self.handovers += 1
+        if self.config.paged:
+            self._load_state(life, shard)
+            return
         snapshot = self._run(life.store.load(SUB, self.now_ms, None, self.config.max_held_bytes, frozenset({shard})))
         self._restore_engine(life, shard, snapshot)
+
+    def op_page(self, arg: int) -> None:
+        """A loading shard of the pod in focus reads and restores its next page of pending messages,
+        or, when there is none left, finishes loading (the runtime's ``_load_pending``)."""
+        loads = self.life.loads
+        if loads:
+            self._page(sorted(loads)[arg % len(loads)])
+
+    def _page(self, shard: int) -> None:
+        life = self.life
+        load = life.loads[shard]
+        page = self._run(_next_page(load.pages))
+        engine = load.entry.engine
+        if page is None:
+            del life.loads[shard]
+            if not life.loads:
+                life.budget = None  # the next load starts from what the engines hold then
+            load.entry.handed = None
+            self.loads_finished += 1
+            actions = engine.finish_loading(self.now_ms)
+            dropped = [a.message for a in actions if isinstance(a, DropDuplicate | DeadLetter)]
+            life.held_bytes -= _kept_bytes(dropped)
+            self._apply(actions)
+            return
+        fresh = [message for message in page if load.entry.admit(message)]
+        self.pages_restored += 1
+        self.left_out += len(page) - len(fresh)
+        engine.restore_pending(fresh, self.now_ms)
+        life.held_bytes += _kept_bytes(fresh)
+
+    def finish_loads(self) -> None:
+        """Every pod reads its remaining pages and finishes its loads."""
+        focus = self.active
+        for pod in range(self.config.pods):
+            self.active = pod
+            while self.life.loads:
+                self._page(min(self.life.loads))
+        self.active = focus
 
     def op_listen(self, arg: int) -> None:
         """The owner's Listen on ``inbox == shard and state == pending`` hands over other pods' intake."""
@@ -755,6 +862,8 @@ class Simulation:
         "lose_lease",
         "take_over",
         "listen",
+        "page",
+        "page",
     )
 
     def _tick_all(self) -> None:
@@ -850,6 +959,10 @@ class Simulation:
         life = self.life
         engine = self._engine_of(message.key)
         assert engine is not None, f"{message.key} handed to p{self.active}, which does not deliver its shard"
+        load = life.loads.get(self._shard(message.key))
+        if load is not None and not load.entry.admit(message):
+            self.left_out += 1
+            return  # its record was restored from a page already: the engine has it
         actions = engine.on_stored(message, self.now_ms)
         budget = self.config.max_held_bytes
         if message.payload is not None and (not actions or isinstance(actions[0], Hold)):
@@ -921,6 +1034,7 @@ class Simulation:
             self._lose(frozenset(shard for shard in list(self.life.engines) if not self.owns(shard)))
         for shard in range(self.config.shards):
             self.step("take_over", shard)
+        self.finish_loads()
         for _ in range(rounds):
             for pod in range(self.config.pods):
                 self.active = pod
@@ -1056,7 +1170,22 @@ class Simulation:
         ]
 
     def close(self) -> None:
+        for life in self.lives:
+            self._close_loads(life)
         self.loop.close()
+
+
+async def _next_page(pages: AsyncGenerator[list[Message], None]) -> list[Message] | None:
+    """The next page, None after the last."""
+    try:
+        return await anext(pages)
+    except StopAsyncIteration:
+        return None
+
+
+def _kept_bytes(messages: Sequence[Message]) -> int:
+    """Payload bytes of ``messages`` kept in memory (the sim's ``held_bytes`` counts no bookkeeping)."""
+    return sum(len(m.payload.data) for m in messages if m.payload is not None and not m.payload.stripped)
 
 
 def _lease_path(shard: int) -> str:

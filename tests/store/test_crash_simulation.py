@@ -44,6 +44,8 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         pods=draw(st.integers(1, 3)),
         shards=draw(st.integers(1, 3)),
         fast_path=draw(st.booleans()),
+        paged=draw(st.booleans()),
+        page_size=draw(st.integers(1, 3)),
     )
 
 
