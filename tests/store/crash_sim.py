@@ -19,6 +19,16 @@ One ``Simulation`` plays everything around the store, step by step, deterministi
 A crash throws away the engine, the store object and every queued action, keeps the documents, and
 recovers with ``load`` + ``Engine.restore``, exactly as a restarted process does.
 
+**Recovery by pages** (``SimConfig.paged``), as the runtime's ``_load_shard`` / ``_load_pending`` do:
+every recovery (start and ``take_over``) loads a shard's state only (``load(..., pending=False)``),
+restores a loading engine (``Engine.restore(..., loading=True)``), and keeps the shard's
+``pending_pages`` generator open (the reader's page size patched small while store code runs, so a
+shard's pending messages span several pages). The ``page`` operation reads and restores the next page
+through the runtime's own ``ShardEngine.admit`` (each record reaches the engine once, from a page or
+from the intake, whichever comes first), or, after the last page, ends the load (``finish_loading``,
+its actions executed like any). Every other operation may run between two pages; ``drain`` finishes
+every load first.
+
 **Several owners** (``SimConfig.pods``, ``SimConfig.shards``): pods ``p0``, ``p1``, ... share the
 documents; each key's shard has a lease document (``owner``, ``epoch``) that the pods' stores fence
 their advancing writes with (``DocumentStore(fences=...)``, from what the pod *believes* it holds).
