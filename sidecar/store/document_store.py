@@ -97,6 +97,19 @@ def _stopped(sub: Subscription, exc: Exception) -> StoreRejected:
     return StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}")
 
 
+def _running_total(progress: Progress | None) -> Progress:
+    """A callback taking each read's document count, passing ``progress`` the total so far."""
+    total = 0
+
+    def count(n: int) -> None:
+        nonlocal total
+        total += n
+        if progress is not None:
+            progress(total)
+
+    return count
+
+
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
     start = None if config.first_sequence_any else config.sequence_start
     return CursorRules(config.mode, config.on_dead_letter, start, config.shards)
@@ -345,14 +358,7 @@ class DocumentStore:
     ) -> EngineSnapshot:
         sub = self._sub(subscription)
         self._check_shards(sub, shards, "load")
-        loaded = 0
-
-        def count(n: int) -> None:
-            nonlocal loaded
-            loaded += n
-            if progress is not None:
-                progress(loaded)
-
+        count = _running_total(progress)
         wanted = frozenset(range(sub.config.shards)) if shards is None else shards
         budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
         reader = self._reader
@@ -422,15 +428,9 @@ class DocumentStore:
         sub = self._sub(subscription)
         self._check_shards(sub, shards, "pending_pages")
         budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
-        read = 0
-
-        def count(n: int) -> None:
-            nonlocal read
-            read += n
-            if progress is not None:
-                progress(read)
-
-        pages = self._reader.pending_pages(sub.path, budget, count, shards, attempts=None, slots=self._load_slots)
+        pages = self._reader.pending_pages(
+            sub.path, budget, _running_total(progress), shards, attempts=None, slots=self._load_slots
+        )
         async with contextlib.aclosing(pages):
             while True:
                 try:
