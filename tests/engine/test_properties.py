@@ -60,6 +60,28 @@ def _watermark_stream(rng: random.Random, keys: int, per_key: int, dup_rate: flo
     return stream
 
 
+def _config(mode: str, **policy: object) -> EngineConfig:
+    """The engine config of the property tests: short deadlines and backoffs, ``policy`` drawn."""
+    return EngineConfig(
+        mode=mode,  # type: ignore[arg-type]
+        ack_deadline_ms=100,
+        backoff_initial_ms=3,
+        backoff_maximum_ms=20,
+        **policy,  # type: ignore[arg-type]
+    )
+
+
+def _none_stream(rng: random.Random, count: int) -> list[Message]:
+    stream = []
+    for i in range(count):
+        message = wm_message(f"k{i % 3}", 0, f"id-{i}")
+        stream.append(Message(message.key, message.dedup_id, message.message_id, message.fingerprint, 0))
+        if rng.random() < 0.3:
+            stream.append(stream[-1])
+    rng.shuffle(stream)
+    return stream
+
+
 def _run(harness: Harness, stream: list[Message], rng: random.Random, steps: int, ops: list[str] = _OPS) -> None:
     stream = list(stream)
     for _ in range(steps):
@@ -122,17 +144,14 @@ def test_sequence_mode_keeps_order_dedup_and_loses_nothing(
     seed, keys, per_key, max_in_flight, attempts, gap, on_late, on_dead_letter, drop_rate, steps
 ) -> None:
     rng = random.Random(seed)
-    config = EngineConfig(
-        mode="sequence",
+    config = _config(
+        "sequence",
         max_in_flight_per_key=max_in_flight,
         max_delivery_attempts=attempts,
         gap_timeout_ms=gap[0],
-        on_gap_timeout=gap[1],  # type: ignore[arg-type]
-        on_late=on_late,  # type: ignore[arg-type]
-        on_dead_letter=on_dead_letter,  # type: ignore[arg-type]
-        ack_deadline_ms=100,
-        backoff_initial_ms=3,
-        backoff_maximum_ms=20,
+        on_gap_timeout=gap[1],
+        on_late=on_late,
+        on_dead_letter=on_dead_letter,
     )
     stream = _sequence_stream(rng, keys, per_key, 0.3, 0.1)
     # Some sequences never arrive: gaps for the gap policy.
@@ -243,15 +262,8 @@ def test_watermark_mode_replays_never_reorder_anything_else(
 @given(seed=st.integers(0, 2**32), count=st.integers(0, 25), attempts=st.integers(1, 4), steps=st.integers(0, 150))
 def test_none_mode_delivers_each_message_once_acked(seed, count, attempts, steps) -> None:
     rng = random.Random(seed)
-    config = EngineConfig(mode="none", max_delivery_attempts=attempts, ack_deadline_ms=100, backoff_initial_ms=3,
-                          backoff_maximum_ms=20)
-    stream = []
-    for i in range(count):
-        message = wm_message(f"k{i % 3}", 0, f"id-{i}")
-        stream.append(Message(message.key, message.dedup_id, message.message_id, message.fingerprint, 0))
-        if rng.random() < 0.3:
-            stream.append(stream[-1])
-    rng.shuffle(stream)
+    config = _config("none", max_delivery_attempts=attempts)
+    stream = _none_stream(rng, count)
     _run(Harness(config), stream, rng, steps)
 
 
@@ -306,17 +318,14 @@ def test_sequence_mode_recovered_by_pages_keeps_the_guarantees(
     """Pages in any order, delivery and acks meanwhile, crashes mid-load: G1-G3 at every step, and a
     gap timeout with ``skip`` never passes a sequence that is only not read yet."""
     rng = random.Random(seed)
-    config = EngineConfig(
-        mode="sequence",
+    config = _config(
+        "sequence",
         max_in_flight_per_key=max_in_flight,
         max_delivery_attempts=attempts,
         gap_timeout_ms=gap[0],
-        on_gap_timeout=gap[1],  # type: ignore[arg-type]
-        on_late=on_late,  # type: ignore[arg-type]
-        on_dead_letter=on_dead_letter,  # type: ignore[arg-type]
-        ack_deadline_ms=100,
-        backoff_initial_ms=3,
-        backoff_maximum_ms=20,
+        on_gap_timeout=gap[1],
+        on_late=on_late,
+        on_dead_letter=on_dead_letter,
     )
     stream = [m for m in _sequence_stream(rng, keys, per_key, 0.3, 0.1) if rng.random() >= 0.1]
     _run(Harness(config, pages=random.Random(seed + 1)), stream, rng, steps, _PAGED_OPS)
@@ -336,30 +345,17 @@ def test_watermark_mode_recovered_by_pages_keeps_the_guarantees(
     seed, keys, per_key, max_in_flight, attempts, on_late, steps
 ) -> None:
     rng = random.Random(seed)
-    config = EngineConfig(
-        mode="watermark",
-        max_in_flight_per_key=max_in_flight,
-        max_delivery_attempts=attempts,
-        on_late=on_late,  # type: ignore[arg-type]
-        ack_deadline_ms=100,
-        backoff_initial_ms=3,
-        backoff_maximum_ms=20,
-    )
+    config = _config("watermark", max_in_flight_per_key=max_in_flight, max_delivery_attempts=attempts, on_late=on_late)
     _run(Harness(config, pages=random.Random(seed + 1)), _watermark_stream(rng, keys, per_key, 0.3), rng, steps,
          _PAGED_OPS)
 
 
 @PROPERTY_SETTINGS
 @given(seed=st.integers(0, 2**32), count=st.integers(0, 25), attempts=st.integers(1, 4), steps=st.integers(0, 150))
+# A record restored from a page, then a copy of it stored while the load still runs: handed once.
+@example(seed=146511, count=13, attempts=1, steps=75)
 def test_none_mode_recovered_by_pages_delivers_each_message_once_acked(seed, count, attempts, steps) -> None:
     rng = random.Random(seed)
-    config = EngineConfig(mode="none", max_delivery_attempts=attempts, ack_deadline_ms=100, backoff_initial_ms=3,
-                          backoff_maximum_ms=20)
-    stream = []
-    for i in range(count):
-        message = wm_message(f"k{i % 3}", 0, f"id-{i}")
-        stream.append(Message(message.key, message.dedup_id, message.message_id, message.fingerprint, 0))
-        if rng.random() < 0.3:
-            stream.append(stream[-1])
-    rng.shuffle(stream)
+    config = _config("none", max_delivery_attempts=attempts)
+    stream = _none_stream(rng, count)
     _run(Harness(config, pages=random.Random(seed + 1)), stream, rng, steps, _PAGED_OPS)
