@@ -115,6 +115,8 @@ class Harness:
     """Pending in the store, not restored yet (a paged recovery in progress)."""
     recovered_by_pages: set[Message] = field(default_factory=set)
     """Every record a paged recovery restored or will restore."""
+    restored_by_pages: set[Message] = field(default_factory=set)
+    """The records the load in progress has restored from its pages so far."""
 
     def __post_init__(self) -> None:
         self.engine = Engine(self.config, id_prefix="life0-")
@@ -128,6 +130,8 @@ class Harness:
             # Firestore keeps a tombstone: a copy of a finished message never reaches the engine
             # again. (Before the first crash the engine's own memory must catch these copies.)
             return
+        if self.engine.loading and message in self.restored_by_pages:
+            return  # that record reached the engine from its page: the runtime hands it once (admit)
         if self.unloaded:
             # A copy of a record not restored yet: the runtime hands the record now (its store
             # read it back) and leaves it out of the page that holds it.
@@ -261,6 +265,7 @@ class Harness:
             )
             self.unloaded = list(snapshot.pending)
             self.recovered_by_pages = set(snapshot.pending)
+            self.restored_by_pages = set()
             self.pages.shuffle(self.unloaded)  # pages come in document-name order, not stored order
         else:
             self.engine = Engine.restore(self.config, snapshot, self.now_ms, id_prefix=f"life{self.lives}-")
@@ -281,6 +286,7 @@ class Harness:
             return
         page, self.unloaded = self.unloaded[:size], self.unloaded[size:]
         self.engine.restore_pending(page, self.now_ms)
+        self.restored_by_pages.update(page)
         for message in page:
             self._note_replay_place(message)
         self._apply_tick(self.engine.tick(self.now_ms))
