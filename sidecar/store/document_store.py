@@ -77,6 +77,15 @@ runs its three reads at once too), few enough that the pages in memory stay a ha
 _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
+_FLUSH_ROUNDS = 4
+"""The background flush writes the due checkpoints of at most 1/``_FLUSH_ROUNDS`` of a
+subscription's shards at a time, and the next such part ``interval / _FLUSH_ROUNDS`` later: the
+shards' checkpoints fall into that many phases of the interval instead of one. All at once, one
+flush built every shard's checkpoint and settled every fast-path ack of the interval in one step
+of the event loop (and one Commit), a pause of 10-20 ms each interval that every message arriving
+meanwhile waited out. Each shard is still written at most once per interval; acks wait as long on
+average once the phases are set (the first round waits up to ``interval`` longer)."""
+
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
@@ -287,8 +296,10 @@ class DocumentStore:
         self._flush_wake.set()
 
     async def _flush_loop(self) -> None:
-        """Writes the checkpoints (and cursors) left lagging, each as soon as it is due."""
+        """Writes the checkpoints (and cursors) left lagging, each as soon as it is due, a part of
+        the shards at a time (``_FLUSH_ROUNDS``)."""
         failed = False
+        paced_until_ms = 0
         while True:
             await self._flush_wake.wait()
             self._flush_wake.clear()
@@ -296,14 +307,17 @@ class DocumentStore:
             # interval). Otherwise an interval: cursors of stored messages are already durable.
             now_ms = self._clock_ms()
             due = [self._writer.next_due_ms(sub, now_ms) for sub in self._subscriptions.values()]
-            first = min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms)
+            first = max(paced_until_ms, min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms))
             if failed:
                 first = max(first, now_ms + self._interval_ms)  # the store failed: not a tight loop
             failed = False
             await asyncio.sleep(max(0, first - now_ms) / 1000)
             for sub in self._subscriptions.values():
                 try:
-                    await self.flush(sub.name)
+                    if await self._flush_part(sub):
+                        # More shards are due: the next part one round later.
+                        paced_until_ms = self._clock_ms() + self._interval_ms // _FLUSH_ROUNDS
+                        self._flush_wake.set()
                 except ShardLost as exc:
                     # Their updates are dropped (the new owner has the shards), never retried.
                     _LOGGER.warning("store: cursor flush of %s: %s; their cursor updates are dropped", sub.name, exc)
@@ -314,8 +328,21 @@ class DocumentStore:
                     continue
                 self._maybe_wake_flusher(sub)
 
+    async def _flush_part(self, sub: Subscription) -> bool:
+        """One round of the background flush for ``sub``: the due shards written longest ago, at most
+        1/``_FLUSH_ROUNDS`` of its shards. True when more are due. Raises as ``flush``."""
+        per_round = -(-sub.config.shards // _FLUSH_ROUNDS)
+        async with sub.lock:
+            now_ms = self._clock_ms()
+            lost = await self._writer.flush(sub, now_ms, max_shards=per_round)
+            more = bool(self._writer.due_shards(sub, now_ms))
+        if lost:
+            raise ShardLost(sub.name, lost)
+        return more
+
     async def flush(self, subscription: str) -> None:
-        """Write every due dirty cursor and checkpoint now (the background task calls this). Raises
+        """Write every due dirty cursor and checkpoint now (the background task writes them a part at
+        a time: ``_flush_part``). Raises
         ShardLost after writing the rest when shards were lost (their updates are dropped)."""
         sub = self._sub(subscription)
         async with sub.lock:

@@ -154,15 +154,22 @@ class ShardWriter:
             await self._commit(sub, commit, shards, now_ms, lost)
         return lost
 
-    async def flush(self, sub: Subscription, now_ms: int) -> set[int]:
+    async def flush(self, sub: Subscription, now_ms: int, max_shards: int | None = None) -> set[int]:
         """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost.
         Only shards whose checkpoint is due: a shard written less than an interval ago would cost a
-        fence read and write nothing."""
-        shards = sorted(shard for shard in sub.book.dirty_shards() | sub.stale if self._due(sub, shard, now_ms))
+        fence read and write nothing. With ``max_shards``, only that many of them, those written
+        longest ago first (``due_shards``)."""
+        shards = sorted(self.due_shards(sub, now_ms)[:max_shards])
         lost: set[int] = set()
         for start in range(0, len(shards), _SHARDS_PER_FLUSH_COMMIT):
             await self._commit(sub, [], set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT]), now_ms, lost)
         return lost
+
+    def due_shards(self, sub: Subscription, now_ms: int) -> list[int]:
+        """The shards whose checkpoint (or cursors) a flush would write now, written longest ago first."""
+        written = sub.checkpoint_written_ms
+        due = [shard for shard in sub.book.dirty_shards() | sub.stale if self._due(sub, shard, now_ms)]
+        return sorted(due, key=lambda shard: (written.get(shard, -1), shard))
 
     async def unblock(self, sub: Subscription, state: KeyState, now_ms: int) -> set[int]:
         """Write the key's cursor (in its shard's checkpoint) now, whatever the coalescing interval;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from store_helpers import ack, client_of, cursors, documents, incoming
@@ -66,3 +67,24 @@ async def test_a_fast_path_ack_of_a_lost_shard_raises_shard_lost_and_is_not_dura
     assert caught.value.shards == frozenset({1})
     assert store.cursor("orders", gone) is None and store.cursor("orders", kept) == KeyCursor(kept, 2)
     assert set(await cursors(client_of(store), _ROOT)) == {kept}
+
+
+async def test_the_background_flush_writes_the_checkpoints_a_quarter_of_the_shards_at_a_time(make_store):
+    # All at once, one flush built every shard's checkpoint and settled every waiting ack in one step
+    # of the event loop, a pause each interval that every message arriving meanwhile waited out.
+    config = {"orders": SubscriptionStoreConfig(mode="sequence", shards=8)}
+    store = make_store(config, cursor_write_interval_ms=400)
+    await store.load("orders", store._clock_ms())
+    keys = [f"k{i}" for i in range(64)]
+    assert {shard_of(key, 8) for key in keys} == set(range(8))
+    await store.commit_acks("orders", [ack(volatile(key, 1), 2) for key in keys], store._clock_ms())
+    client = client_of(store)
+    written = sorted(
+        [snap.update_time.timestamp() async for snap in client.collection(f"{_ROOT}/checkpoints").stream()]
+    )
+    assert len(written) == 8, "every shard's checkpoint, once"
+    parts = [written[i : i + 2] for i in range(0, 8, 2)]
+    assert all(len(set(part)) == 1 for part in parts), f"two shards per Commit: {written}"
+    gaps = [later[0] - earlier[0] for earlier, later in itertools.pairwise(parts)]
+    assert all(gap >= 0.09 for gap in gaps), f"parts a round (100 ms) apart: {gaps}"
+    assert {key: fields["next_seq"] for key, fields in (await cursors(client, _ROOT)).items()} == dict.fromkeys(keys, 2)
