@@ -739,12 +739,7 @@ class SubscriptionRuntime:
 
         Messages held for ordering are not counted (DESIGN §4 "backpressure without deadlock").
         """
-        now_ms = self._clock()
-        total = self._dead_letters_pending
-        for entry in self._engines:
-            status, _ = entry.engine.status(now_ms, max_keys=0)
-            total += status.ready + status.in_flight
-        return total
+        return self._dead_letters_pending + sum(entry.engine.undelivered() for entry in self._engines)
 
     @property
     def dead_letters_pending(self) -> int:

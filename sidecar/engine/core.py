@@ -788,6 +788,11 @@ class Engine:
 
     # ---- status -----------------------------------------------------------------------------
 
+    def undelivered(self) -> int:
+        """Messages releasable or in flight (``status``'s ready + in_flight), in O(1)."""
+        ready = len(self._none.ready) if self._none is not None else self._n_ready
+        return ready + self._n_out
+
     def status(self, now_ms: int, *, max_keys: int = 100) -> tuple[EngineStatus, list[KeyStatus]]:
         """Counters in O(1); then at most ``max_keys`` keys, waiting ones first, oldest wait first."""
         arrivals = self._arrivals

@@ -425,6 +425,7 @@ class Harness:
         """Every accepted message is durably acked, dead-lettered, or still visibly held."""
         pending = {identity(m) for m in self.engine.export().pending}
         status, keys = self.engine.status(self.now_ms, max_keys=10**6)
+        assert self.engine.undelivered() == status.ready + status.in_flight
         for ident, message in self.accepted.items():
             if ident in self.durable or ident in self.dead_lettered:
                 continue
