@@ -459,13 +459,7 @@ class Runner:
             await asyncio.to_thread(sidecar.wait_ready)
             fill_started = time.monotonic()
             await asyncio.to_thread(self.pubsub.publish, subscription, stream)
-            await asyncio.to_thread(
-                wait_until,
-                lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
-                phase_timeout(pending),
-                f"the sidecar to store {pending} messages",
-                0.5,
-            )
+            await _until_holding(sidecar, pending, f"the sidecar to store {pending} messages", 0.5)
             fill_seconds = time.monotonic() - fill_started
             await asyncio.to_thread(sidecar.stop)
             self.emulators.reset_firestore_counters()
@@ -476,13 +470,7 @@ class Runner:
             cpu_to_ready = cpu_seconds(sidecar.pid)
             # Ready once every shard's cursors are read; its pending messages are read after, page
             # by page, while the keys already deliver: the run times that too, and checks them all.
-            await asyncio.to_thread(
-                wait_until,
-                lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
-                phase_timeout(pending),
-                f"the restarted sidecar to hold its {pending} messages",
-                0.25,
-            )
+            await _until_holding(sidecar, pending, f"the restarted sidecar to hold its {pending} messages", 0.25)
             loaded_seconds = time.monotonic() - restart_at
             rss = peak_rss_mb(sidecar.pid)
             cpu_used = cpu_seconds(sidecar.pid)
@@ -507,6 +495,17 @@ class Runner:
                 "cpu_seconds_start_to_loaded": cpu_used,
             },
         )
+
+
+async def _until_holding(sidecar: Sidecar, pending: int, what: str, interval: float) -> None:
+    """Wait until ``sidecar`` holds ``pending`` messages (its buffered gauge), polled every ``interval``."""
+    await asyncio.to_thread(
+        wait_until,
+        lambda: sidecar.metric("pubsub_sidecar_buffered_messages") >= pending,
+        phase_timeout(pending),
+        what,
+        interval,
+    )
 
 
 async def _held_gap(runner: Runner, scenario: Scenario) -> Result:

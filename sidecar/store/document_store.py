@@ -84,7 +84,7 @@ shards' checkpoints fall into that many phases of the interval instead of one. A
 flush built every shard's checkpoint and settled every fast-path ack of the interval in one step
 of the event loop (and one Commit), a pause of 10-20 ms each interval that every message arriving
 meanwhile waited out. Each shard is still written at most once per interval; acks wait as long on
-average once the phases are set (the first round waits up to ``interval`` longer)."""
+average once the phases are set (in the first interval, up to three quarters of it longer)."""
 
 
 def wall_clock_ms() -> int:
@@ -342,8 +342,8 @@ class DocumentStore:
 
     async def flush(self, subscription: str) -> None:
         """Write every due dirty cursor and checkpoint now (the background task writes them a part at
-        a time: ``_flush_part``). Raises
-        ShardLost after writing the rest when shards were lost (their updates are dropped)."""
+        a time: ``_flush_part``). Raises ShardLost after writing the rest when shards were lost
+        (their updates are dropped)."""
         sub = self._sub(subscription)
         async with sub.lock:
             lost = await self._writer.flush(sub, self._clock_ms())
