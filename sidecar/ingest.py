@@ -10,9 +10,10 @@ Rules (G1 in DESIGN §1 depends on each of them):
   Nothing is ever acked on a failure path, and nothing is ever dropped: a message not acked is
   nacked or left to its lease, and Pub/Sub delivers it again.
 - **Sorted as they come** (``_batch_loop``): the fast path first, then a message whose key has a
-  write under way waits for it once (``_defer``), and the rest is stored in batches; a message
-  waiting to be stored is offered to the fast path again when its key takes it and just before its
-  batch is written (docs/ingest.md).
+  write under way waits for it once (``_defer``), a message beyond its key's first missing
+  position waits a little for that position, unstored (``_hold``), and the rest is stored in
+  batches; a message waiting is offered to the fast path again when its key takes it or has a
+  message stored, and just before its batch is written (docs/ingest.md).
 - **Threads.** The subscriber's callback runs on the event loop: ``LoopScheduler``
   (``sidecar.ingest_scheduler``) takes the messages from the client's threads and runs the callbacks on
   the loop, many per wake-up. Everything happens on the loop but the client's own work.
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -95,6 +97,13 @@ larger messages itself, this keeps one call's memory and latency bounded)."""
 _BATCH_WINDOW_SECONDS = 0.010
 """Wait this long for a batch to fill: 10 ms adds little latency next to a store commit, and at
 1,000 msg/s it turns ten single-message commits into one."""
+
+_PREDECESSOR_WAIT_SECONDS = 0.150
+"""Sequence mode with the fast path: how long a message beyond its key's first missing position
+waits, unstored, for that position (``_hold``). A publisher's swapped pair arrives a few messages
+apart: if the missing one comes meanwhile, both take the fast path, and neither costs a document
+(create and tombstone). Waiting delays no delivery: the message could not be delivered before its
+predecessor anyway, and is offered to the fast path the moment that one takes it."""
 
 _MAX_CONCURRENT_PERSISTS = 2
 """Two persist calls overlap so that one batch fills while the previous one commits."""
@@ -145,6 +154,8 @@ class IngestCounters:
     """Messages handed to the runtime's in-order fast path: delivered without a document."""
     deferred: int = 0
     """Messages that waited for a persist of their key in progress before trying the fast path again."""
+    held: int = 0
+    """Messages kept back, unstored, for their key's missing position (``Ingestor._hold``)."""
     malformed: int = 0
     duplicates: int = 0
     persisted: int = 0
@@ -198,6 +209,7 @@ class Ingestor:
         max_lease_duration_seconds: float = _MAX_LEASE_DURATION_SECONDS,
         clock: Callable[[], int] | None = None,
         fast_path: bool | None = None,
+        predecessor_wait_seconds: float = _PREDECESSOR_WAIT_SECONDS,
     ) -> None:
         if max_batch_messages < 1:
             raise ValueError(f"max_batch_messages must be >= 1, got {max_batch_messages}")
@@ -230,6 +242,7 @@ class Ingestor:
         self._max_batch_bytes = max_batch_bytes
         self._batch_window_seconds = batch_window_seconds
         self._max_concurrent_persists = max_concurrent_persists
+        self._predecessor_wait_seconds = predecessor_wait_seconds
         self._backoff_initial_seconds = backoff_initial_seconds
         self._backoff_maximum_seconds = backoff_maximum_seconds
         self._pause_poll_seconds = pause_poll_seconds
@@ -248,6 +261,9 @@ class Ingestor:
         self._to_store: collections.deque[_Item] = collections.deque()
         """Sorted, to be stored: batched for up to ``batch_window_seconds``, then a free persist slot."""
         self._to_store_bytes = 0
+        self._held: collections.deque[tuple[float, _Item]] = collections.deque()
+        """(until, item): messages waiting, unstored, for their key's missing position (``_hold``),
+        in the order they came (so by ``until``)."""
         self._to_store_since = 0.0
         """When the oldest of ``_to_store`` was queued (``time.monotonic``)."""
         self._wake = asyncio.Event()
@@ -489,9 +505,15 @@ class Ingestor:
         """Sort what was received (fast path, deferred, to store) and start persists while a slot
         is free. A fast-path message never waits for a persist slot: only what must be stored does."""
         while True:
+            self._store_held()
             if not self._pending and not self._can_store():
                 self._wake.clear()
-                await self._wake.wait()
+                if self._held:
+                    # Until the first held message's wait ends (or something arrives).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), max(0.0, self._held[0][0] - time.monotonic()))
+                else:
+                    await self._wake.wait()
                 continue
             if self._pending:
                 # Sorted at once: the fast path waits for nothing; only what is stored is batched.
@@ -538,18 +560,60 @@ class Ingestor:
             rest = self._take_fast(batch)
             if len(rest) < len(batch):
                 self._reoffer({item.incoming.key for item in batch} - {item.incoming.key for item in rest})
-            batch = self._defer(rest)
+            batch = self._hold(self._defer(rest))
             # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
             self._persisting.update(item.incoming.key for item in batch)
+        self._queue_to_store(batch)
+
+    def _queue_to_store(self, batch: list[_Item]) -> None:
         if batch and not self._to_store:
             self._to_store_since = time.monotonic()
         self._to_store.extend(batch)
         self._to_store_bytes += sum(len(item.message.data) for item in batch)
 
+    def _hold(self, batch: list[_Item]) -> list[_Item]:
+        """Keep back, unstored, for ``predecessor_wait_seconds``, a message beyond its key's first
+        missing position (``runtime.awaits_predecessor``); ``_reoffer`` hands it to the fast path
+        when that position takes it, ``_store_held`` queues it to be stored when the wait ends.
+        Not messages with a Pub/Sub ordering key (the client holds back the rest of their key
+        until they are acked). Returns what to store now."""
+        if self._predecessor_wait_seconds <= 0:
+            return batch
+        until = time.monotonic() + self._predecessor_wait_seconds
+        rest: list[_Item] = []
+        for item in batch:
+            if not item.incoming.ordering_key and self._runtime.awaits_predecessor(item.incoming):
+                self._held.append((until, item))
+                self.counters.held += 1
+            else:
+                rest.append(item)
+        return rest
+
+    def _store_held(self) -> None:
+        """Held messages whose wait ended go to be stored."""
+        held = self._held
+        now = time.monotonic()
+        expired: list[_Item] = []
+        while held and held[0][0] <= now:
+            expired.append(held.popleft()[1])
+        if expired:
+            self._persisting.update(item.incoming.key for item in expired)
+            self._queue_to_store(expired)
+
     def _reoffer(self, keys: set[str]) -> None:
-        """Keys that just took the fast path: their messages waiting to be stored (a swapped
-        successor) are offered to it again now, not after the batch window."""
-        waiting = [item for item in self._to_store if item.incoming.key in keys] if keys else []
+        """Keys that just took the fast path (or had a message stored): their messages held for a
+        predecessor or waiting to be stored (a swapped successor) are offered to it again now, not
+        when their wait or the batch window ends."""
+        if not keys:
+            return
+        held = [item for _, item in self._held if item.incoming.key in keys]
+        if held:
+            left = {id(item) for item in self._take_fast(held)}
+            if len(left) < len(held):
+                self._held = collections.deque(
+                    (until, item) for until, item in self._held if item.incoming.key not in keys or id(item) in left
+                )
+        waiting = [item for item in self._to_store if item.incoming.key in keys]
         if not waiting:
             return
         rest = {id(item) for item in self._take_fast(waiting)}
@@ -672,6 +736,9 @@ class Ingestor:
             await self._store_batch(batch)
         finally:
             self._release_keys(batch)
+            if self._fast_path and self._runtime.is_ready and not self._stopping:
+                # A message stored may be the predecessor its key's waiting messages lacked.
+                self._reoffer({item.incoming.key for item in batch})
 
     async def _store_batch(self, batch: list[_Item]) -> None:
         # Several pods: a message whose key this pod does not deliver is stored for its owner
@@ -882,6 +949,7 @@ class Ingestor:
         self._pending.clear()
         self._to_store.clear()
         self._to_store_bytes = 0
+        self._held.clear()
         self._deferred.clear()
         self._persisting.clear()
 

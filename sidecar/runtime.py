@@ -685,13 +685,29 @@ class SubscriptionRuntime:
             self._after_change()
         return taken
 
-    def _take_one_fast(self, incoming: IncomingMessage, now_ms: int) -> Message | None:
+    def awaits_predecessor(self, incoming: IncomingMessage) -> bool:
+        """Sequence mode: whether ``incoming``, which did not take the fast path, lies beyond the first
+        position its key is missing at this pod, the key's owner (``Engine.awaits_predecessor``):
+        ingest may keep it back a little for that position, so that both take the fast path."""
+        entry = self._fast_entry(incoming)
+        if entry is None:
+            return False
+        return entry.engine.awaits_predecessor(incoming.to_message(self._clock(), "", volatile=True))
+
+    def _fast_entry(self, incoming: IncomingMessage) -> ShardEngine | None:
+        """The engine that could take ``incoming`` by the fast path: this pod delivers its key now."""
         if incoming.sequence is None or incoming.replay_id or incoming.to_owner or self._stopping:
             return None
         entry = self._engines.for_key(incoming.key)
         if entry is None or entry.draining:
             return None
         if self.lease_check is not None and self.lease_check(entry.shard) != entry.epoch:
+            return None
+        return entry
+
+    def _take_one_fast(self, incoming: IncomingMessage, now_ms: int) -> Message | None:
+        entry = self._fast_entry(incoming)
+        if entry is None:
             return None
         message = incoming.to_message(now_ms, "", volatile=True)
         if not entry.engine.fast_path(message):

@@ -443,24 +443,35 @@ class Engine:
         (behind those in flight or ready, ahead of any held beyond a gap), and its key is neither
         blocked, dead-lettering nor backing off. It then waits for nothing but the app: Pub/Sub can
         keep it meanwhile. Pure query: the caller hands it to ``on_stored`` flagged ``volatile``."""
-        if (
-            self._seq is None
-            or self._loading
-            or message.replay_id
-            or message.sequence is None
-            or message.volatile is False
-        ):
+        if message.volatile is False:
             return False
+        key = self._open_key(message)
+        return key is not None and message.sequence == key.run_end
+
+    def awaits_predecessor(self, message: Message) -> bool:
+        """True when ``message`` is beyond the first position its key is missing, on a key the fast
+        path could serve (what ``fast_path`` asks, but the sequence is above ``run_end``): once that
+        position arrives and takes the fast path, this message could follow it. Pure query, like
+        ``fast_path``."""
+        key = self._open_key(message)
+        return key is not None and message.sequence is not None and message.sequence > key.run_end
+
+    def _open_key(self, message: Message) -> KeyState | None:
+        """``message``'s key when the fast path could serve it at all: sequence mode, not loading, not a
+        replay, a position not held already, and a key neither blocked, dead-lettering nor backing off."""
+        if self._seq is None or self._loading or message.replay_id or message.sequence is None:
+            return None
         key = self._keys.get(message.key) or self._key(message.key)  # an idle key is rebuilt from its cursor
-        return (
-            key.cursor is not None
-            and message.sequence == key.run_end
-            and message.sequence not in key.index
-            and not key.blocked
-            and not key.dead_lettering
-            and key.backoff_until is None
-            and not self._seq.replays
-        )
+        if (
+            key.cursor is None
+            or message.sequence in key.index
+            or key.blocked
+            or key.dead_lettering
+            or key.backoff_until is not None
+            or self._seq.replays
+        ):
+            return None
+        return key
 
     def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
         """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within

@@ -676,3 +676,18 @@ def test_restore_pending_is_refused_once_the_engine_is_not_loading() -> None:
     engine.finish_loading(0)
     with pytest.raises(RuntimeError, match="not loading"):
         engine.restore_pending([seq_message("k", 1)], 0)
+
+
+def test_a_message_beyond_the_first_missing_position_awaits_its_predecessor() -> None:
+    engine = sequence_engine()
+    assert engine.awaits_predecessor(seq_message("k", 3))
+    assert not engine.awaits_predecessor(seq_message("k", 1)), "1 is next: the fast path takes it"
+    engine.on_stored(seq_message("k", 3), 0)
+    assert not engine.awaits_predecessor(seq_message("k", 3)), "held already: a copy of it"
+    assert engine.awaits_predecessor(seq_message("k", 4))
+    engine.on_stored(seq_message("k", 1), 0)
+    engine.on_stored(seq_message("k", 2), 0)
+    assert not engine.awaits_predecessor(seq_message("k", 4)), "1-3 ready: 4 is next"
+    assert not sequence_engine(sequence_start=None).awaits_predecessor(seq_message("new", 5)), "no cursor yet"
+    assert not _loading(EngineConfig(mode="sequence")).awaits_predecessor(seq_message("k", 3)), "loading"
+    assert not Engine(EngineConfig(mode="watermark")).awaits_predecessor(wm_message("k", 5, "k5"))

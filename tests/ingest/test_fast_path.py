@@ -200,3 +200,53 @@ async def test_a_swapped_pair_both_take_the_fast_path(make_harness: MakeHarness)
     await wait_until(lambda: h.counters.fast_path == 2, "both taken by the fast path")
     assert (h.counters.fast_path, h.counters.persisted) == (2, 0)
     assert [d.message.sequence for d in await _take(h, 1)] == [1]
+
+
+async def test_a_message_beyond_a_gap_waits_unstored_for_its_predecessor_then_both_take_the_fast_path(
+    make_harness: MakeHarness,
+) -> None:
+    # No batch window: without the wait, 2 would be stored before 1 is even published.
+    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=3600.0).start()
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.held == 1, "2 kept back for 1")
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 2, "1 takes the fast path, and 2 right behind it")
+    assert (h.counters.persist_batches, h.counters.persisted) == (0, 0), "neither was written"
+    assert [d.message.sequence for d in await _take(h, 1)] == [1]
+
+
+async def test_a_held_message_is_stored_when_its_predecessor_does_not_come_in_time(make_harness: MakeHarness) -> None:
+    h = await make_harness(fast_path=True, predecessor_wait_seconds=0.2).start()
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.persisted == 1, "2 stored once its wait ended")
+    assert (h.counters.held, h.counters.fast_path, h.counters.acked) == (1, 0, 1)
+    await h.publish_order("A", 1)
+    delivered = await _take(h, 1)
+    assert [(d.message.sequence, d.message.volatile) for d in delivered] == [(1, True)]
+    assert h.runtime is not None
+    await h.runtime.ack("app", [delivered[0].delivery_id])
+    (second,) = await _take(h, 1)
+    assert (second.message.sequence, second.message.volatile) == (2, False)
+
+
+async def test_a_held_message_follows_a_predecessor_that_was_stored(make_harness: MakeHarness) -> None:
+    # 3 waits for 2; 2 is stored (its own wait set to nothing) and 1 takes the fast path while 2's
+    # write is under way: 3 is offered again once 2 is stored, and follows at once.
+    h = make_harness(fast_path=True, predecessor_wait_seconds=3600.0)
+    gate = await _start_gated(h)
+    assert h.ingestor is not None
+    await h.publish_order("A", 3)
+    await wait_until(lambda: h.counters.held == 1, "3 kept back")
+    h.ingestor._predecessor_wait_seconds = 0.0
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.persist_batches == 1, "2 being stored")
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 1, "1 takes the fast path; 3 still waits: 2 is not stored yet")
+    gate.set()
+    await wait_until(lambda: h.counters.fast_path == 2, "3 takes the fast path once 2 is stored")
+    assert h.counters.persisted == 1
+    assert h.runtime is not None
+    for seq, volatile in ((1, True), (2, False), (3, True)):
+        (delivered,) = await _take(h, 1)
+        assert (delivered.message.sequence, delivered.message.volatile) == (seq, volatile)
+        await h.runtime.ack("app", [delivered.delivery_id])
