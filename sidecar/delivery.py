@@ -449,7 +449,8 @@ def _estimated_size(delivery: Deliver) -> int:
     size += len(message.message_id) + len(message.dedup_id)
     payload = message.payload
     if payload is not None:
-        size += len(payload.data) + sum(len(k) + len(v) + 8 for k, v in payload.attributes.items())
+        attributes = payload.attributes
+        size += len(payload.data) + sum(map(len, attributes)) + sum(map(len, attributes.values())) + 8 * len(attributes)
     return size + 16 * len(delivery.skipped)
 
 

@@ -9,8 +9,11 @@ then runs the buffered callbacks one after the other, in the order they were sch
 How the client's ``Scheduler`` contract (``subscribe(..., scheduler=...)``; read in the client's
 ``scheduler.py`` and ``_protocol/streaming_pull_manager.py``) is kept:
 
-- ``queue`` is a ``queue.Queue``: the dispatcher's request queue. ``Message.ack()``/``nack()`` put
-  requests on it from any thread (here the loop's), the client's dispatcher thread sends them.
+- ``queue`` is the dispatcher's request queue. ``Message.ack()``/``nack()`` put requests on it from
+  any thread (here the loop's), the client's dispatcher thread sends them. The client only calls
+  ``put``, ``get()`` and ``get(timeout=)`` on it (``dispatcher.py``, ``helper_threads.py``), so it is a
+  ``queue.SimpleQueue``: its ``put`` is one C call, where ``queue.Queue``'s takes a lock and notifies
+  a condition in Python, once per ack.
 - ``schedule(callback, message)`` is called on the client's threads (the stream consumer's, or the
   dispatcher's when an ack releases the next message of an ordering key). ``callback`` is the
   manager's wrapper (``_wrap_callback_errors``) around ours: an exception of our callback nacks the
@@ -60,7 +63,7 @@ class LoopScheduler(Scheduler):
             raise ValueError(f"max_callbacks_per_run must be >= 1, got {max_callbacks_per_run}")
         self._loop = loop
         self._max_callbacks_per_run = max_callbacks_per_run
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._run_ended = threading.Condition(self._lock)
         self._buffer: list[_Call] = []
@@ -75,7 +78,7 @@ class LoopScheduler(Scheduler):
         """Callbacks run on the loop; written on the loop only."""
 
     @property
-    def queue(self) -> queue.Queue[Any]:
+    def queue(self) -> queue.SimpleQueue[Any]:  # type: ignore[override]
         """The dispatcher's request queue (acks, nacks and modacks of the messages)."""
         return self._queue
 

@@ -782,7 +782,8 @@ class SubscriptionRuntime:
         deliveries: list[Deliver] = []
         for entry, delivery in self._engines.take(consumer, max_messages, now_ms):
             payload = delivery.message.payload
-            if delivery.attempt == 1 and payload is not None:
+            # A fast-path message was never counted (its Pub/Sub lease and the client's flow control bound it).
+            if delivery.attempt == 1 and payload is not None and not delivery.message.volatile:
                 size = 0 if payload.stripped else payload_size(payload)
                 entry.held_bytes = max(0, entry.held_bytes - size - HELD_MESSAGE_OVERHEAD_BYTES)
             deliveries.append(delivery)

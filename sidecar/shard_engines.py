@@ -61,6 +61,8 @@ class ShardEngines:
         self.id_prefix = id_prefix
         self.route = route
         self._by_shard: dict[int, ShardEngine] = {}
+        self._by_prefix: dict[str, ShardEngine] = {}
+        """``engine_prefix`` -> its engine: a delivery id is that prefix plus the engine's counter."""
         self._turn = 0
 
     def engine_prefix(self, shard: int, epoch: int) -> str:
@@ -71,10 +73,14 @@ class ShardEngines:
             raise ValueError(f"shard {shard} already has an engine (epoch {self._by_shard[shard].epoch})")
         entry = ShardEngine(shard, epoch, engine, held_bytes)
         self._by_shard[shard] = entry
+        self._by_prefix[self.engine_prefix(shard, epoch)] = entry
         return entry
 
     def remove(self, shard: int) -> ShardEngine | None:
-        return self._by_shard.pop(shard, None)
+        entry = self._by_shard.pop(shard, None)
+        if entry is not None:
+            del self._by_prefix[self.engine_prefix(shard, entry.epoch)]
+        return entry
 
     def get(self, shard: int) -> ShardEngine | None:
         return self._by_shard.get(shard)
@@ -84,16 +90,9 @@ class ShardEngines:
 
     def for_delivery(self, delivery_id: str) -> ShardEngine | None:
         """The engine that handed out ``delivery_id``, if it still runs at the same epoch."""
-        if not delivery_id.startswith(self.id_prefix):
-            return None
-        shard_epoch, dash, _ = delivery_id[len(self.id_prefix) :].partition("-")
-        shard_text, dot, epoch_text = shard_epoch.partition(".")
-        if not dash or not dot or not shard_text.isdigit() or not epoch_text.isdigit():
-            return None
-        entry = self._by_shard.get(int(shard_text))
-        if entry is None or entry.epoch != int(epoch_text):
-            return None
-        return entry
+        # The counter has no dash: the prefix ends at the last one. An id of another engine, epoch or
+        # sidecar, or no id of ours at all, finds no prefix.
+        return self._by_prefix.get(delivery_id[: delivery_id.rfind("-") + 1])
 
     def __iter__(self) -> Iterator[ShardEngine]:
         return iter(list(self._by_shard.values()))

@@ -1218,7 +1218,10 @@ entry, ids, fingerprint, heap and index slots."""
 def payload_size(payload: Payload) -> int:
     """Bytes a payload holds in memory, roughly: data and attribute text plus CPython's object
     headers (a bytes object, and per attribute two strings and a dict slot)."""
-    return 33 + len(payload.data) + sum(len(k) + len(v) + 110 for k, v in payload.attributes.items())
+    attributes = payload.attributes
+    # sum(map(len, ...)): the same total as a generator over the items, without a Python frame per item.
+    text = sum(map(len, attributes)) + sum(map(len, attributes.values()))
+    return 33 + len(payload.data) + text + 110 * len(attributes)
 
 
 def _identity(message: Message) -> object:

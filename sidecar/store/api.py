@@ -146,7 +146,7 @@ class IncomingMessage:
             volatile=volatile,
             payload=Payload(
                 data=self.data,
-                attributes=dict(self.attributes),
+                attributes=self.attributes,  # shared: no record changes its attributes
                 publish_time_ms=self.publish_time_ms,
                 ordering_key=self.ordering_key,
                 ref=ref,

@@ -47,7 +47,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,11 +88,21 @@ class KeyState:
     """When the state last changed (which keys move from the checkpoint to their own documents first)."""
 
     def copy(self) -> KeyState:
-        return dataclasses.replace(
-            self,
+        """A copy sharing nothing mutable. Field by field (a test checks that every field is copied):
+        ``dataclasses.replace`` costs several times more, and this runs once per ack."""
+        return KeyState(
+            key=self.key,
+            next_sequence=self.next_sequence,
+            last_position=self.last_position,
             done_above=set(self.done_above),
+            blocked_at=self.blocked_at,
             unblocked=set(self.unblocked),
+            written_ms=self.written_ms,
+            dirty_since_ms=self.dirty_since_ms,
+            known_from=self.known_from,
             skips=[list(bounds) for bounds in self.skips],
+            in_overlay=self.in_overlay,
+            changed_ms=self.changed_ms,
         )
 
 

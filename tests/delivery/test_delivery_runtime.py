@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import grpc
 from delivery_harness import Harness, RecordingDeadLetters, sequence_config, wait_until
+from delivery_harness import incoming_message as sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.runtime import SubscriptionRuntime, SubscriptionUnavailable
@@ -168,3 +169,21 @@ async def test_held_payloads_past_the_budget_stay_in_the_store_and_arrive_intact
     ]
     assert runtime.counters.payloads_read == runtime.counters.payloads_stripped
     assert harness.store.calls["read_payloads"] >= 1
+
+
+async def test_a_fast_path_delivery_leaves_the_held_bytes_of_stored_messages_alone(
+    make_harness: Callable[..., Harness],
+) -> None:
+    # A fast-path message is never counted in held_bytes (its Pub/Sub lease and the client's flow
+    # control bound it): handing it out must not take its size off what stored messages hold.
+    harness = await make_harness(max_held_bytes=1_000_000).start()
+    runtime = harness.runtimes["orders"]
+    await harness.publish("orders", [("k", 2), ("k", 3)])  # held: k/1 is missing
+    held = runtime.held_bytes
+    assert held > 0
+    [taken] = runtime.take_fast([sequence_message("j", 1)])
+    assert taken is not None and runtime.held_bytes == held
+
+    [delivery] = runtime.take("consumer", 10)
+    assert (delivery.message.key, delivery.message.sequence) == ("j", 1)
+    assert runtime.held_bytes == held

@@ -235,7 +235,7 @@ def _message(scheduler: LoopScheduler, ack_id: str) -> Message:
     return Message(pb, ack_id, 0, scheduler.queue)
 
 
-def _nacked(requests_queue: queue.Queue[Any]) -> list[str]:
+def _nacked(requests_queue: queue.SimpleQueue[Any]) -> list[str]:
     nacked: list[str] = []
     while not requests_queue.empty():
         request = requests_queue.get_nowait()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from store_helpers import ack, client_of, cursors, documents, incoming
 
 from sidecar.engine.types import AckIntent, KeyCursor, Message, Payload
 from sidecar.store import cursors as cursor_module
 from sidecar.store.api import PersistOutcome, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, CursorRules, overlay_entry_size
+from sidecar.store.cursors import CursorBook, CursorRules, KeyState, overlay_entry_size
 
 _ROOT = "pubsub-sidecar/orders"
 
@@ -114,3 +116,31 @@ async def test_a_corrupt_overlay_stops_recovery_naming_the_checkpoint(make_store
     )
     with pytest.raises(Exception, match="checkpoint document pubsub-sidecar/orders/checkpoints/0000"):
         await make_store().load("orders", 2000)
+
+
+def test_a_key_state_copy_has_every_field_and_shares_nothing_mutable() -> None:
+    # copy() names the fields one by one: a field added later and left out fails here.
+    state = KeyState(
+        key="k",
+        next_sequence=7,
+        last_position=(5, "m"),
+        done_above={9, 11},
+        blocked_at=12,
+        unblocked={13},
+        written_ms=1,
+        dirty_since_ms=2,
+        known_from=3,
+        skips=[[4, 5]],
+        in_overlay=True,
+        changed_ms=6,
+    )
+    defaults = KeyState(key="")
+    assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(KeyState))
+    copied = state.copy()
+    assert copied == state
+    copied.done_above.add(20)
+    copied.unblocked.add(21)
+    copied.skips[0][1] = 6
+    copied.skips.append([30, 31])
+    assert (state.done_above, state.unblocked, state.skips) == ({9, 11}, {13}, [[4, 5]])
+
