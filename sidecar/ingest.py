@@ -151,7 +151,8 @@ class IngestCounters:
     received: int = 0
     """Pub/Sub deliveries handed to the callback (redeliveries included)."""
     fast_path: int = 0
-    """Messages handed to the runtime's in-order fast path: delivered without a document."""
+    """Messages the runtime's fast path took, never stored: in order (delivered without a document),
+    or copies of such a message still unsettled (acked with it: the runtime's ``fast_path_copies``)."""
     deferred: int = 0
     """Messages that waited for a persist of their key in progress before trying the fast path again."""
     held: int = 0

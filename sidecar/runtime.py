@@ -177,6 +177,10 @@ class RuntimeCounters:
     acks_submitted: int = 0
     fast_path: int = 0
     """Messages taken by the in-order fast path (``take_fast``): delivered without a document."""
+    fast_path_copies: int = 0
+    """Copies of unsettled fast-path messages that ``take_fast`` kept beside their original, unstored."""
+    fast_path_duplicates: int = 0
+    """Those copies acked as duplicates once their original's ack (or dead letter) was durable."""
     unknown_ids: int = 0
     ack_commits: int = 0
     store_retries: int = 0
@@ -318,6 +322,10 @@ class SubscriptionRuntime:
     def extra_counts(self) -> dict[str, int]:
         """Counters beyond the engine's: sharding, and whatever ``status_counts`` adds."""
         counts: dict[str, int] = {}
+        if self._config.mode == "sequence":
+            counts["fast_path"] = self.counters.fast_path
+            counts["fast_path_copies"] = self.counters.fast_path_copies
+            counts["fast_path_duplicates"] = self.counters.fast_path_duplicates
         if self._shard_count is not None:
             counts["not_owned"] = self.counters.not_owned
             counts["shards_adopted"] = self.counters.shards_adopted
@@ -677,7 +685,10 @@ class SubscriptionRuntime:
         """Sequence mode's in-order fast path (docs/store.md), per message of ``batch`` in order: when
         it is the first position its key is missing, at this pod, the key's owner, it goes to the
         engine without being stored, flagged ``volatile``, and is returned; the caller keeps its
-        Pub/Sub ack until ``on_volatile_settled``. None: store it as usual."""
+        Pub/Sub ack until ``on_volatile_settled``. A copy of a fast-path message not yet settled
+        (same position and content) is returned too, and kept beside its original: it is settled
+        with it, so it is acked as a duplicate once the original's ack is durable, and given back
+        to Pub/Sub with it otherwise. None: store it as usual."""
         self._require_recovered()
         now_ms = self._clock()
         taken: list[Message | None] = [self._take_one_fast(incoming, now_ms) for incoming in batch]
@@ -711,15 +722,28 @@ class SubscriptionRuntime:
             return None
         message = incoming.to_message(now_ms, "", volatile=True)
         if not entry.engine.fast_path(message):
-            return None
+            original = entry.engine.volatile_original(message)
+            if original is None or id(original) not in entry.volatile:
+                return None
+            # Stored, it would cost a document and its tombstone, only to be dropped as a duplicate.
+            entry.copies.setdefault(id(original), []).append(message)
+            self.counters.fast_path_copies += 1
+            return message
         entry.volatile[id(message)] = message
         self.counters.fast_path += 1
         self._apply(entry, entry.engine.on_stored(message, now_ms))
         return message
 
     def _settle(self, entry: ShardEngine, message: Message, safe: bool) -> None:
-        if entry.volatile.pop(id(message), None) is not None and self.on_volatile_settled is not None:
+        if entry.volatile.pop(id(message), None) is None:
+            return
+        copies = entry.copies.pop(id(message), ())
+        if safe:
+            self.counters.fast_path_duplicates += len(copies)
+        if self.on_volatile_settled is not None:
             self.on_volatile_settled(message, safe)
+            for copy in copies:
+                self.on_volatile_settled(copy, safe)
 
     def _settle_all(self, entry: ShardEngine) -> None:
         """The shard's engine is gone: every fast-path message it held goes back to Pub/Sub."""

@@ -36,6 +36,9 @@ class ShardEngine:
     """Being handed over: nothing new is handed out; in-flight acks still complete."""
     volatile: dict[int, Message] = field(default_factory=dict)
     """Fast-path messages of this shard not yet settled (by ``id``): Pub/Sub still holds each."""
+    copies: dict[int, list[Message]] = field(default_factory=dict)
+    """Copies of unsettled fast-path messages (by the original's ``id``), never stored: each is
+    settled with its original (``Engine.volatile_original``)."""
     handed: set[str] | None = None
     """While the engine is loading (``Engine.restore_pending``): the stored records (``Payload.ref``)
     handed to it so far, by a page or as they were stored. A record reaches the engine once: a page

@@ -456,6 +456,19 @@ class Engine:
         key = self._open_key(message)
         return key is not None and message.sequence is not None and message.sequence > key.run_end
 
+    def volatile_original(self, message: Message) -> Message | None:
+        """The fast-path message this engine holds at ``message``'s position with the same content
+        (fingerprint), not yet finished: ``message`` is a copy of it (a publisher's retry, a Pub/Sub
+        redelivery), a duplicate once the original is. None otherwise (a conflict, a stored original,
+        nothing held there). Pure query."""
+        if self._seq is None or message.replay_id or message.sequence is None:
+            return None
+        key = self._keys.get(message.key)
+        held = None if key is None else key.index.get(message.sequence)
+        if held is None or held.n == 0 or not held.message.volatile or held.message.replay_id:
+            return None
+        return held.message if held.message.fingerprint == message.fingerprint else None
+
     def _open_key(self, message: Message) -> KeyState | None:
         """``message``'s key when the fast path could serve it at all: sequence mode, not loading, not a
         replay, a position not held already, and a key neither blocked, dead-lettering nor backing off."""

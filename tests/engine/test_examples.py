@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from harness import replay_of, seq_message, wm_message
 
@@ -691,3 +693,23 @@ def test_a_message_beyond_the_first_missing_position_awaits_its_predecessor() ->
     assert not sequence_engine(sequence_start=None).awaits_predecessor(seq_message("new", 5)), "no cursor yet"
     assert not _loading(EngineConfig(mode="sequence")).awaits_predecessor(seq_message("k", 3)), "loading"
     assert not Engine(EngineConfig(mode="watermark")).awaits_predecessor(wm_message("k", 5, "k5"))
+
+
+def test_a_copy_of_a_held_fast_path_message_finds_its_original_until_it_is_finished() -> None:
+    engine = sequence_engine()
+    original = dataclasses.replace(seq_message("k", 1), volatile=True)
+    assert engine.volatile_original(seq_message("k", 1)) is None, "nothing held yet"
+    engine.on_stored(original, 0)
+    copy = dataclasses.replace(seq_message("k", 1), message_id="m-retry", volatile=True)
+    assert engine.volatile_original(copy) is original
+    assert engine.volatile_original(seq_message("k", 1, variant=1)) is None, "other content: a conflict"
+    assert engine.volatile_original(seq_message("k", 2)) is None, "another position"
+    engine.on_stored(seq_message("k", 2), 0)
+    assert engine.volatile_original(seq_message("k", 2)) is None, "a stored original: its record dedups"
+    [delivery] = engine.take("c", 1, 0)
+    assert engine.volatile_original(copy) is original, "in flight"
+    engine.ack("c", delivery.delivery_id, 0)
+    assert engine.volatile_original(copy) is original, "acking: not durable yet"
+    engine.ack_durable([delivery.delivery_id], 0)
+    assert engine.volatile_original(copy) is None, "finished: below the cursor"
+    assert Engine(EngineConfig(mode="watermark")).volatile_original(wm_message("k", 5, "k5")) is None

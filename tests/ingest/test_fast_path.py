@@ -112,6 +112,56 @@ async def test_a_dead_lettered_fast_path_message_is_recorded_then_acked(make_har
     assert dead.messages[0].attributes["sidecar_reason"] == "app_dead_letter"
 
 
+async def test_a_copy_of_a_fast_path_message_in_flight_is_acked_with_it_and_never_written(
+    make_harness: MakeHarness,
+) -> None:
+    # A publisher's retry: same key, sequence and content, a new message id. Stored, it would cost a
+    # document and its tombstone only to be dropped; kept beside its original, it is acked with it.
+    h = await make_harness(fast_path=True).start()
+    assert h.runtime is not None and h.ingestor is not None
+    await h.publish_order("A", 1)
+    (first,) = await _take(h, 1)
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 2, "the copy kept beside its original")
+    assert (h.counters.persist_batches, h.counters.acked, h.ingestor.held_messages) == (0, 0, 2)
+    assert h.runtime.take("app", 10) == [], "the copy is never delivered"
+
+    await h.runtime.ack("app", [first.delivery_id])
+    await wait_until(lambda: h.counters.acked == 2, "both acked in Pub/Sub once the ack is durable")
+    assert (h.runtime.counters.fast_path_copies, h.runtime.counters.fast_path_duplicates) == (1, 1)
+    assert (h.counters.persisted, await h.stored_pending()) == (0, [])
+    await h.stop_ingest()
+    assert await h.admin.pull_available(h.subscription) == []
+
+
+async def test_a_conflicting_copy_of_a_fast_path_message_is_stored_and_dead_lettered(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness(fast_path=True).start()
+    dead = h.admin.collect(h.dead_letter_subscription)
+    await h.publish_order("A", 1)
+    await _take(h, 1)
+    await h.publish_order("A", 1, data=b"other content")
+    await wait_until(lambda: len(dead.messages) == 1, "the conflicting copy dead-lettered")
+    assert dead.messages[0].attributes["sidecar_reason"] == "conflict"
+    assert h.runtime is not None and h.runtime.counters.fast_path_copies == 0
+
+
+async def test_a_copy_goes_back_to_pubsub_with_its_original_when_the_shard_is_dropped(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness(fast_path=True).start()
+    assert h.runtime is not None
+    await h.publish_order("A", 1)
+    await _take(h, 1)
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 2, "the copy kept beside its original")
+    [(shard, epoch)] = h.runtime.shards().items()
+    assert h.runtime.drop_shard(shard, epoch)
+    await wait_until(lambda: h.counters.nacked == 2, "both given back to Pub/Sub")
+    assert (h.counters.acked, h.runtime.counters.fast_path_duplicates) == (0, 0)
+
+
 async def test_the_fast_path_is_off_when_the_config_says_so(make_harness: MakeHarness) -> None:
     h = await make_harness(fast_path=True, config_fast_path=False).start()
     await h.publish_order("A", 1)
