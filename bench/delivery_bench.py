@@ -109,7 +109,7 @@ async def _preload(store: MemoryStore, runtime: SubscriptionRuntime, scenario: S
                     attributes={"seq": str(seq)},
                     ordering_key=key,
                     publish_time_ms=_now_ms(),
-                    fingerprint=hashlib.sha256(f"{key}/{seq}".encode()).digest(),
+                    known_fingerprint=hashlib.sha256(f"{key}/{seq}".encode()).digest(),
                     sequence=seq,
                 )
             )

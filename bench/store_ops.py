@@ -32,7 +32,7 @@ def _incoming(key: str, sequence: int) -> IncomingMessage:
         attributes={"order_id": key, "seq": str(sequence)},
         ordering_key="",
         publish_time_ms=1_700_000_000_000,
-        fingerprint=hashlib.sha256(data).digest(),
+        known_fingerprint=hashlib.sha256(data).digest(),
         sequence=sequence,
     )
 

@@ -18,6 +18,6 @@ def sequence_message(key: str, seq: int) -> IncomingMessage:
         attributes={"seq": str(seq)},
         ordering_key="",
         publish_time_ms=wall_clock_ms(),
-        fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
+        known_fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
         sequence=seq,
     )

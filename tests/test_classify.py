@@ -231,6 +231,18 @@ def test_fingerprint_covers_data_ordering_key_and_attributes(a: tuple[Any, ...],
     assert fingerprint(*a) != fingerprint(*b)
 
 
+def test_the_fingerprint_is_computed_when_first_asked_for_and_kept() -> None:
+    # The in-order fast path never asks: a message it takes never pays for the hash.
+    incoming = ok(run(SEQUENCE, {"order_id": "o", "seq": "1"}, ordering_key="ok"))
+    assert incoming.known_fingerprint is None
+    message = incoming.to_message(0, "", volatile=True)
+    assert message.known_fingerprint is None
+    expected = fingerprint(b"payload", {"order_id": "o", "seq": "1"}, "ok")
+    assert (message.fingerprint, message.known_fingerprint) == (expected, expected)
+    assert (incoming.fingerprint, incoming.known_fingerprint) == (expected, expected)
+    assert message == incoming.to_message(0, "", volatile=True), "equality ignores the kept value"
+
+
 def test_fingerprint_is_stable_across_versions() -> None:
     # Stored documents keep fingerprints: a new version must compute the very same bytes, or every
     # redelivered copy of a stored message would look like a conflict.

@@ -86,7 +86,7 @@ class SequencePolicy:
             if key.cursor is None or seq < key.cursor:  # type: ignore[operator]
                 continue
             # A finished placeholder: the run walks over it and the cursor passes it in turn.
-            placeholder = Entry(Message(key.name, "", "", b"", 0, sequence=seq), key, seq, 0)
+            placeholder = Entry(Message(key.name, "", "", 0, sequence=seq, known_fingerprint=b""), key, seq, 0)
             placeholder.state = DONE
             key.index[seq] = placeholder
             key.out.append(placeholder)
@@ -270,7 +270,7 @@ class SequencePolicy:
             heapq.heapify(key.heap)
             key.n_held -= 1
             copy.state = DONE
-        placeholder = Entry(Message(key.name, "", "", b"", 0, sequence=position), key, position, 0)
+        placeholder = Entry(Message(key.name, "", "", 0, sequence=position, known_fingerprint=b""), key, position, 0)
         placeholder.state = DONE
         key.index[position] = placeholder
         out = key.out

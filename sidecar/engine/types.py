@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar, dataclass_transform
 
+from sidecar.engine.fingerprint import fingerprint
+
 Mode = Literal["sequence", "watermark", "none"]
 GapPolicy = Literal["hold", "skip"]
 LatePolicy = Literal["dead_letter", "deliver"]
@@ -60,7 +62,6 @@ class Message:
     key: str
     dedup_id: str
     message_id: str
-    fingerprint: bytes
     stored_at_ms: int
     sequence: int | None = None
     timestamp_ms: int | None = None
@@ -73,6 +74,21 @@ class Message:
     """Not stored: taken by the in-order fast path (``Engine.fast_path``). Pub/Sub keeps it (its ack
     is held) until its app ack is durable in the key's cursor; a crash before that loses nothing,
     since Pub/Sub delivers it again. Its finishes write no tombstone except a dead letter's."""
+    known_fingerprint: bytes | None = field(default=None, compare=False, repr=False)
+    """The fingerprint when it is known (read from the store, or computed once); None: computed
+    from the payload when first asked for (``fingerprint``)."""
+
+    @property
+    def fingerprint(self) -> bytes:
+        """A hash of the content the publisher controls (``sidecar.engine.fingerprint``)."""
+        known = self.known_fingerprint
+        if known is None:
+            payload = self.payload
+            if payload is None or payload.stripped:
+                raise ValueError(f"message {self.dedup_id!r}: no fingerprint known and no payload to compute it")
+            known = fingerprint(payload.data, payload.attributes, payload.ordering_key)
+            object.__setattr__(self, "known_fingerprint", known)  # a cache: equality ignores it
+        return known
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from sidecar.engine.fingerprint import fingerprint
 from sidecar.engine.types import (
     AckIntent,
     DeadLetterPolicy,
@@ -122,7 +123,6 @@ class IncomingMessage:
     attributes: dict[str, str]
     ordering_key: str
     publish_time_ms: int
-    fingerprint: bytes
     sequence: int | None = None
     timestamp_ms: int | None = None
     to_owner: bool = False
@@ -130,6 +130,18 @@ class IncomingMessage:
     the owner's Listen hands it over (also merged into a pending copy that already exists)."""
     replay_id: str = ""
     """An operator's replay of a dead letter (``sidecar_replay_id``): a record of its own."""
+    known_fingerprint: bytes | None = field(default=None, compare=False, repr=False)
+    """Set when known (a replay's is its original's, without the marker); None: computed from
+    ``data``, ``attributes`` and ``ordering_key`` when first asked for (``fingerprint``)."""
+
+    @property
+    def fingerprint(self) -> bytes:
+        """A hash of the content the publisher controls (``sidecar.engine.fingerprint``)."""
+        known = self.known_fingerprint
+        if known is None:
+            known = fingerprint(self.data, self.attributes, self.ordering_key)
+            object.__setattr__(self, "known_fingerprint", known)  # a cache: equality ignores it
+        return known
 
     def to_message(self, stored_at_ms: int, ref: str, *, volatile: bool = False) -> Message:
         """The engine's view of this message once a store made it durable under ``ref`` (or, with
@@ -138,7 +150,7 @@ class IncomingMessage:
             key=self.key,
             dedup_id=self.dedup_id,
             message_id=self.message_id,
-            fingerprint=self.fingerprint,
+            known_fingerprint=self.known_fingerprint,
             stored_at_ms=stored_at_ms,
             sequence=self.sequence,
             timestamp_ms=self.timestamp_ms,

@@ -262,7 +262,7 @@ def message_from_fields(
             key=str(fields["key"]),
             dedup_id=str(fields["dedup_id"]),
             message_id=str(get("message_id", "")),
-            fingerprint=bytes(get("fp") or b""),
+            known_fingerprint=bytes(get("fp") or b""),
             stored_at_ms=int(fields["stored_ms"]),
             sequence=None if seq is None else int(seq),
             timestamp_ms=None if ts is None else int(ts),

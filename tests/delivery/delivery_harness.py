@@ -227,7 +227,7 @@ def incoming_message(key: str, seq: int, *, sequenced: bool = True) -> IncomingM
         attributes={"seq": str(seq)},
         ordering_key=key,
         publish_time_ms=wall_clock_ms(),
-        fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
+        known_fingerprint=hashlib.sha256(f"{key}:{seq}".encode()).digest(),
         sequence=seq if sequenced else None,
         timestamp_ms=None,
     )

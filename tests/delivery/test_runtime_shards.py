@@ -86,7 +86,7 @@ class World:
                 attributes={},
                 ordering_key="",
                 publish_time_ms=1,
-                fingerprint=f"{key}/{seq}".encode(),
+                known_fingerprint=f"{key}/{seq}".encode(),
                 sequence=seq,
             )
             for key, seq in pairs

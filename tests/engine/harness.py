@@ -28,7 +28,7 @@ def seq_message(key: str, seq: int, *, variant: int = 0, stored_at_ms: int = 0) 
         key=key,
         dedup_id=f"{key}/{seq}" + (f"~{variant}" if variant else ""),
         message_id=f"m-{key}-{seq}-{variant}",
-        fingerprint=f"{key}/{seq}/{variant}".encode(),
+        known_fingerprint=f"{key}/{seq}/{variant}".encode(),
         stored_at_ms=stored_at_ms,
         sequence=seq,
     )
@@ -39,7 +39,7 @@ def wm_message(key: str, timestamp_ms: int, dedup_id: str, *, stored_at_ms: int 
         key=key,
         dedup_id=dedup_id,
         message_id=f"m-{dedup_id}",
-        fingerprint=dedup_id.encode(),
+        known_fingerprint=dedup_id.encode(),
         stored_at_ms=stored_at_ms,
         timestamp_ms=timestamp_ms,
     )

@@ -365,7 +365,7 @@ def test_message_behind_the_released_cursor_is_late(on_late: str) -> None:
 
 def test_none_mode_delivers_on_arrival_and_drops_duplicates_within_the_ttl() -> None:
     engine = Engine(EngineConfig(mode="none", dedup_ttl_ms=1_000))
-    message = Message("k", "id-1", "m-1", b"f", 0)
+    message = Message("k", "id-1", "m-1", 0, known_fingerprint=b"f")
     assert engine.on_stored(message, 0) == []
     assert ack_all(engine) == [("k", None)]
     assert isinstance(engine.on_stored(message, 999)[0], DropDuplicate)
@@ -375,7 +375,7 @@ def test_none_mode_delivers_on_arrival_and_drops_duplicates_within_the_ttl() -> 
 def test_none_mode_has_no_per_key_limit_or_order() -> None:
     engine = Engine(EngineConfig(mode="none"))
     for i in range(3):
-        engine.on_stored(Message("k", f"id-{i}", f"m-{i}", b"f", 0), 0)
+        engine.on_stored(Message("k", f"id-{i}", f"m-{i}", 0, known_fingerprint=b"f"), 0)
     assert len(engine.take("c", 10, 0)) == 3
 
 
@@ -390,7 +390,7 @@ def test_invalid_config_is_refused_with_the_field_named() -> None:
 def test_sequence_mode_message_without_sequence_is_refused_clearly() -> None:
     engine = sequence_engine()
     with pytest.raises(ValueError, match="has no integer sequence"):
-        engine.on_stored(Message("k", "d", "m", b"f", 0), 0)
+        engine.on_stored(Message("k", "d", "m", 0, known_fingerprint=b"f"), 0)
 
 
 def test_jitter_outside_the_unit_interval_is_refused() -> None:
@@ -599,7 +599,7 @@ def test_a_watermark_replay_at_the_block_resumes_the_key_in_order() -> None:
 
 def test_in_none_mode_a_replay_is_an_ordinary_message_with_its_own_identity() -> None:
     engine = Engine(EngineConfig(mode="none"))
-    original = Message("k", "id-1", "m-1", b"f", 0)
+    original = Message("k", "id-1", "m-1", 0, known_fingerprint=b"f")
     engine.on_stored(original, 0)
     ack_all(engine)
     assert engine.on_stored(original, 0)[0].reason.startswith("duplicate")  # type: ignore[union-attr]

@@ -75,7 +75,8 @@ def _none_stream(rng: random.Random, count: int) -> list[Message]:
     stream = []
     for i in range(count):
         message = wm_message(f"k{i % 3}", 0, f"id-{i}")
-        stream.append(Message(message.key, message.dedup_id, message.message_id, message.fingerprint, 0))
+        fingerprint = message.fingerprint
+        stream.append(Message(message.key, message.dedup_id, message.message_id, 0, known_fingerprint=fingerprint))
         if rng.random() < 0.3:
             stream.append(stream[-1])
     rng.shuffle(stream)

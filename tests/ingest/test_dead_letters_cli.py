@@ -32,7 +32,7 @@ def engine_message(key: str, sequence: int, message_id: str) -> Message:
         key=key,
         dedup_id=f"{key}/{sequence}",
         message_id=message_id,
-        fingerprint=b"f",
+        known_fingerprint=b"f",
         stored_at_ms=1,
         sequence=sequence,
         payload=Payload(data=f"{key}:{sequence}".encode(), attributes={"order_id": key}, publish_time_ms=1),

@@ -18,7 +18,7 @@ def stored_message(key: str, data: bytes, attributes: dict[str, str], ordering_k
         key=key,
         dedup_id="d-1",
         message_id="m-1",
-        fingerprint=b"f",
+        known_fingerprint=b"f",
         stored_at_ms=1,
         sequence=7,
         payload=Payload(data=data, attributes=attributes, publish_time_ms=1, ordering_key=ordering_key),

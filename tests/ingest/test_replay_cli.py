@@ -35,7 +35,7 @@ def engine_message(key: str, sequence: int, message_id: str, **attributes: str) 
         key=key,
         dedup_id=message_id,
         message_id=message_id,
-        fingerprint=b"f",
+        known_fingerprint=b"f",
         stored_at_ms=1,
         sequence=sequence,
         payload=Payload(

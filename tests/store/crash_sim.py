@@ -114,7 +114,7 @@ class Published:
             attributes={"v": str(self.variant)},
             ordering_key="",
             publish_time_ms=1_000,
-            fingerprint=hashlib.sha256(data).digest(),
+            known_fingerprint=hashlib.sha256(data).digest(),
             sequence=self.seq,
             to_owner=to_owner,
         )

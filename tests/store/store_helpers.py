@@ -32,7 +32,7 @@ def incoming(
         attributes=attrs,
         ordering_key="",
         publish_time_ms=1_700_000_000_000,
-        fingerprint=fingerprint,
+        known_fingerprint=fingerprint,
         sequence=sequence,
         timestamp_ms=timestamp_ms,
     )

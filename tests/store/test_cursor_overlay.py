@@ -25,7 +25,7 @@ class Clock:
 
 def _message(key: str, seq: int) -> Message:
     payload = Payload(data=b"", attributes={}, publish_time_ms=0, ordering_key="", ref="x")
-    return Message(key=key, dedup_id=f"{key}-{seq}", message_id="m", fingerprint=b"f", stored_at_ms=0,
+    return Message(key=key, dedup_id=f"{key}-{seq}", message_id="m", known_fingerprint=b"f", stored_at_ms=0,
                    sequence=seq, payload=payload)  # fmt: skip
 
 
