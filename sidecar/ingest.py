@@ -560,7 +560,12 @@ class Ingestor:
         if self._fast_path and self._runtime.is_ready:
             rest = self._take_fast(batch)
             if len(rest) < len(batch):
-                self._reoffer({item.incoming.key for item in batch} - {item.incoming.key for item in rest})
+                # The keys that took the fast path: their messages waiting, and those of the batch
+                # left (beyond one waiting), are offered again together, so a chain follows at once.
+                left = {id(item) for item in rest}
+                keys = {item.incoming.key for item in batch if id(item) not in left}
+                left = {id(item) for item in self._reoffer(keys, [i for i in rest if i.incoming.key in keys])}
+                rest = [item for item in rest if item.incoming.key not in keys or id(item) in left]
             batch = self._hold(self._defer(rest))
             # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
             self._persisting.update(item.incoming.key for item in batch)
@@ -601,30 +606,31 @@ class Ingestor:
             self._persisting.update(item.incoming.key for item in expired)
             self._queue_to_store(expired)
 
-    def _reoffer(self, keys: set[str]) -> None:
-        """Keys that just took the fast path (or had a message stored): their messages held for a
-        predecessor or waiting to be stored (a swapped successor) are offered to it again now, not
-        when their wait or the batch window ends."""
+    def _reoffer(self, keys: set[str], fresh: list[_Item] | None = None) -> list[_Item]:
+        """Offer the fast path ``fresh`` (just received) together with the messages of ``keys`` held
+        for a predecessor or waiting to be stored (a swapped successor): sorted by key and sequence,
+        a predecessor taken lets its successors follow in the same pass, not when their wait or the
+        batch window ends. Called too when ``keys`` had a message stored. Returns the messages of
+        ``fresh`` not taken."""
+        fresh = fresh or []
         if not keys:
-            return
+            return fresh
         held = [item for _, item in self._held if item.incoming.key in keys]
-        if held:
-            left = {id(item) for item in self._take_fast(held)}
-            if len(left) < len(held):
-                self._held = collections.deque(
-                    (until, item) for until, item in self._held if item.incoming.key not in keys or id(item) in left
-                )
         waiting = [item for item in self._to_store if item.incoming.key in keys]
-        if not waiting:
-            return
-        rest = {id(item) for item in self._take_fast(waiting)}
-        taken = [item for item in waiting if id(item) not in rest]
-        if not taken:
-            return
-        gone = {id(item) for item in taken}
-        self._to_store = collections.deque(item for item in self._to_store if id(item) not in gone)
-        self._to_store_bytes -= sum(len(item.message.data) for item in taken)
-        self._release_keys(taken)
+        if not held and not waiting:
+            return self._take_fast(fresh) if fresh else fresh
+        left = {id(item) for item in self._take_fast([*fresh, *held, *waiting])}
+        if any(id(item) not in left for item in held):
+            self._held = collections.deque(
+                (until, item) for until, item in self._held if item.incoming.key not in keys or id(item) in left
+            )
+        taken = [item for item in waiting if id(item) not in left]
+        if taken:
+            gone = {id(item) for item in taken}
+            self._to_store = collections.deque(item for item in self._to_store if id(item) not in gone)
+            self._to_store_bytes -= sum(len(item.message.data) for item in taken)
+            self._release_keys(taken)
+        return [item for item in fresh if id(item) in left]
 
     def _take_batch(self) -> list[_Item]:
         """The next batch to store: up to ``max_batch_messages`` and ``max_batch_bytes``."""

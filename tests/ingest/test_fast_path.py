@@ -265,6 +265,28 @@ async def test_a_message_beyond_a_gap_waits_unstored_for_its_predecessor_then_bo
     assert [d.message.sequence for d in await _take(h, 1)] == [1]
 
 
+async def test_held_successors_follow_a_predecessor_that_arrives_beside_a_later_message_of_their_key(
+    make_harness: MakeHarness,
+) -> None:
+    # 1 and 4 come in one hand-over: 1 takes the fast path and 4 (3 is missing) is kept back; 2,
+    # kept back before, follows 1 at once rather than when its wait ends.
+    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=3600.0).start()
+    assert h.ingestor is not None
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.held == 1, "2 kept back for 1")
+    runs = h.ingestor.handoff_runs
+    await asyncio.gather(h.publish_order("A", 1), h.publish_order("A", 4))
+    await wait_until(lambda: h.counters.received == 3, "1 and 4 received")
+    assert h.ingestor.handoff_runs == runs + 1, "one hand-over (one Publish, one response)"
+    await wait_until(lambda: h.counters.fast_path == 2, "2 follows 1 at once")
+    assert (h.counters.held, h.counters.persisted) == (2, 0), "4 is kept back for 3"
+    assert h.runtime is not None
+    (first,) = await _take(h, 1)
+    await h.runtime.ack("app", [first.delivery_id])
+    (second,) = await _take(h, 1)
+    assert (first.message.sequence, second.message.sequence) == (1, 2)
+
+
 async def test_a_held_message_is_stored_when_its_predecessor_does_not_come_in_time(make_harness: MakeHarness) -> None:
     h = await make_harness(fast_path=True, predecessor_wait_seconds=0.2).start()
     await h.publish_order("A", 2)
