@@ -149,6 +149,8 @@ MAX_SKIPS = 64
 def _record_skips(state: KeyState, before: int, after: int, position: int | None) -> None:
     """The cursor moved from ``before`` to ``after``: what it passed unfinished (neither ``position``
     nor a finished sequence above the old cursor) was skipped by a gap timeout."""
+    if position == before and after == before + 1:
+        return  # the usual in-order ack: the cursor passed nothing but the acked position
     finished = {seq for seq in state.done_above if before <= seq < after}
     if position is not None:
         finished.add(position)
