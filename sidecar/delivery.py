@@ -35,7 +35,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery_handlers import Undecodable
-from sidecar.engine.core import KeyNotBlocked
+from sidecar.engine.core import KeyNotBlocked, attributes_text
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
 from sidecar.runtime import AckTicket, NotOwner, SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store.api import StoreError
@@ -449,8 +449,7 @@ def _estimated_size(delivery: Deliver) -> int:
     size += len(message.message_id) + len(message.dedup_id)
     payload = message.payload
     if payload is not None:
-        attributes = payload.attributes
-        size += len(payload.data) + sum(map(len, attributes)) + sum(map(len, attributes.values())) + 8 * len(attributes)
+        size += len(payload.data) + attributes_text(payload.attributes) + 8 * len(payload.attributes)
     return size + 16 * len(delivery.skipped)
 
 

@@ -618,7 +618,7 @@ class Ingestor:
         held = [item for _, item in self._held if item.incoming.key in keys]
         waiting = [item for item in self._to_store if item.incoming.key in keys]
         if not held and not waiting:
-            return self._take_fast(fresh) if fresh else fresh
+            return fresh  # offered already, and nothing of their keys waits that could open the way
         left = {id(item) for item in self._take_fast([*fresh, *held, *waiting])}
         if any(id(item) not in left for item in held):
             self._held = collections.deque(

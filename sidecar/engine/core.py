@@ -1231,10 +1231,12 @@ entry, ids, fingerprint, heap and index slots."""
 def payload_size(payload: Payload) -> int:
     """Bytes a payload holds in memory, roughly: data and attribute text plus CPython's object
     headers (a bytes object, and per attribute two strings and a dict slot)."""
-    attributes = payload.attributes
-    # sum(map(len, ...)): the same total as a generator over the items, without a Python frame per item.
-    text = sum(map(len, attributes)) + sum(map(len, attributes.values()))
-    return 33 + len(payload.data) + text + 110 * len(attributes)
+    return 33 + len(payload.data) + attributes_text(payload.attributes) + 110 * len(payload.attributes)
+
+
+def attributes_text(attributes: dict[str, str]) -> int:
+    """Characters of all names and values (``sum(map(len, ...))``: no Python frame per attribute)."""
+    return sum(map(len, attributes)) + sum(map(len, attributes.values()))
 
 
 def _identity(message: Message) -> object:

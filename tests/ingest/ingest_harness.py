@@ -174,3 +174,14 @@ class IngestHarness:
     async def publish_order(self, key: str, seq: int | str, data: bytes | None = None, **extra: str) -> str:
         payload = data if data is not None else f"{key}:{seq}".encode()
         return await self.admin.publish(self.topic, payload, order_id=key, seq=str(seq), **extra)
+
+
+async def assert_subscription_empty(h: IngestHarness) -> None:
+    """Nothing is left for Pub/Sub to redeliver: every message was acked.
+
+    The ingestor holds nothing, then stops (which would nack anything held, making it available);
+    a unary Pull then finds nothing.
+    """
+    assert h.ingestor is not None and h.ingestor.held_messages == 0
+    await h.stop_ingest()
+    assert await h.admin.pull_available(h.subscription) == []

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from ingest_harness import IngestHarness
+from ingest_harness import IngestHarness, assert_subscription_empty
 from pubsub_admin import wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -27,6 +27,19 @@ async def _take(h: IngestHarness, n: int) -> list:
     return taken
 
 
+async def _in_turn(h: IngestHarness, n: int) -> list[tuple[int | None, bool]]:
+    """(sequence, volatile) of ``n`` deliveries taken one at a time, each acked before the next is
+    taken (the key's window is one message); the last is left unacked."""
+    assert h.runtime is not None
+    seen: list[tuple[int | None, bool]] = []
+    for i in range(n):
+        (delivery,) = await _take(h, 1)
+        seen.append((delivery.message.sequence, delivery.message.volatile))
+        if i < n - 1:
+            await h.runtime.ack("app", [delivery.delivery_id])
+    return seen
+
+
 async def test_in_order_messages_are_delivered_without_a_record_and_acked_once_their_ack_is_durable(
     make_harness: MakeHarness,
 ) -> None:
@@ -44,9 +57,7 @@ async def test_in_order_messages_are_delivered_without_a_record_and_acked_once_t
     assert (h.counters.fast_path, h.counters.persisted) == (3, 0)
     cursor = h.store.cursor(h.name, "A")
     assert cursor is not None and cursor.next_sequence == 4
-    assert h.ingestor.held_messages == 0
-    await h.stop_ingest()
-    assert await h.admin.pull_available(h.subscription) == []
+    await assert_subscription_empty(h)
 
 
 async def test_a_message_beyond_a_gap_is_stored_and_the_one_filling_it_takes_the_fast_path(
@@ -58,12 +69,7 @@ async def test_a_message_beyond_a_gap_is_stored_and_the_one_filling_it_takes_the
     await h.publish_order("A", 1)
     await wait_until(lambda: h.counters.fast_path == 1, "1 fills the gap: it waits for nothing but the app")
     assert [m.sequence for m in await h.stored_pending()] == [2]
-    delivered = await _take(h, 1)
-    assert [(d.message.sequence, d.message.volatile) for d in delivered] == [(1, True)]
-    assert h.runtime is not None
-    await h.runtime.ack("app", [delivered[0].delivery_id])
-    (second,) = await _take(h, 1)
-    assert (second.message.sequence, second.message.volatile) == (2, False)
+    assert await _in_turn(h, 2) == [(1, True), (2, False)]
 
 
 async def test_several_in_order_messages_of_a_key_take_the_fast_path_while_the_first_is_in_flight(
@@ -130,8 +136,7 @@ async def test_a_copy_of_a_fast_path_message_in_flight_is_acked_with_it_and_neve
     await wait_until(lambda: h.counters.acked == 2, "both acked in Pub/Sub once the ack is durable")
     assert (h.runtime.counters.fast_path_copies, h.runtime.counters.fast_path_duplicates) == (1, 1)
     assert (h.counters.persisted, await h.stored_pending()) == (0, [])
-    await h.stop_ingest()
-    assert await h.admin.pull_available(h.subscription) == []
+    await assert_subscription_empty(h)
 
 
 async def test_a_conflicting_copy_of_a_fast_path_message_is_stored_and_dead_lettered(
@@ -280,11 +285,7 @@ async def test_held_successors_follow_a_predecessor_that_arrives_beside_a_later_
     assert h.ingestor.handoff_runs == runs + 1, "one hand-over (one Publish, one response)"
     await wait_until(lambda: h.counters.fast_path == 2, "2 follows 1 at once")
     assert (h.counters.held, h.counters.persisted) == (2, 0), "4 is kept back for 3"
-    assert h.runtime is not None
-    (first,) = await _take(h, 1)
-    await h.runtime.ack("app", [first.delivery_id])
-    (second,) = await _take(h, 1)
-    assert (first.message.sequence, second.message.sequence) == (1, 2)
+    assert [seq for seq, _ in await _in_turn(h, 2)] == [1, 2]
 
 
 async def test_a_held_message_is_stored_when_its_predecessor_does_not_come_in_time(make_harness: MakeHarness) -> None:
@@ -293,12 +294,7 @@ async def test_a_held_message_is_stored_when_its_predecessor_does_not_come_in_ti
     await wait_until(lambda: h.counters.persisted == 1, "2 stored once its wait ended")
     assert (h.counters.held, h.counters.fast_path, h.counters.acked) == (1, 0, 1)
     await h.publish_order("A", 1)
-    delivered = await _take(h, 1)
-    assert [(d.message.sequence, d.message.volatile) for d in delivered] == [(1, True)]
-    assert h.runtime is not None
-    await h.runtime.ack("app", [delivered[0].delivery_id])
-    (second,) = await _take(h, 1)
-    assert (second.message.sequence, second.message.volatile) == (2, False)
+    assert await _in_turn(h, 2) == [(1, True), (2, False)]
 
 
 async def test_a_held_message_follows_a_predecessor_that_was_stored(make_harness: MakeHarness) -> None:

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from ingest_harness import IngestHarness
+from ingest_harness import IngestHarness, assert_subscription_empty
 from pubsub_admin import WAIT_SECONDS, wait_until
 
 from sidecar.ingest import IngestError
@@ -15,17 +15,6 @@ from sidecar.ingest import IngestError
 pytestmark = pytest.mark.timeout(90)
 
 MakeHarness = Callable[..., IngestHarness]
-
-
-async def assert_subscription_empty(h: IngestHarness) -> None:
-    """Nothing is left for Pub/Sub to redeliver: every message was acked.
-
-    The ingestor holds nothing, then stops (which would nack anything held, making it available);
-    a unary Pull then finds nothing.
-    """
-    assert h.ingestor is not None and h.ingestor.held_messages == 0
-    await h.stop_ingest()
-    assert await h.admin.pull_available(h.subscription) == []
 
 
 async def test_valid_messages_are_persisted_then_acked_and_not_redelivered(make_harness: MakeHarness) -> None:
