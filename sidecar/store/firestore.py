@@ -18,16 +18,22 @@ precondition) -> ``documents.PreconditionFailed``; anything else (permission, mi
 to the caller as a delta; the official sync client's ``Watch`` rebuilds its whole result set per
 snapshot on a thread of its own, which a backlog in an inbox made the sidecar's main cost.
 
-**Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BatchGetDocuments
-of the fence documents begins it (``new_transaction``; its id rides on the first response, so no
-BeginTransaction round trip), compare, then Commit with the transaction id
-(or Rollback and ``documents.Fenced``). Sound with Firestore's primitives because read-write
-transactions are serializable: a Commit that succeeds read each fence document at a version that no
-later committed write preceded, so a lease that changed hands before the Commit fails the
-transaction instead of letting the old owner write (``sidecar.store.fencing`` gives the whole
-argument). Production holds pessimistic read locks until the Commit, so the lease write waits; our
-emulator validates optimistically (``sidecar/emulators/firestore/transactions.py``: a Commit whose
-read document changed is ABORTED). ABORTED (contention, lock timeout) retries the whole transaction
+**Fenced commits** (``commit(writes, fences)``) run as one read-write transaction: BeginTransaction,
+BatchGetDocuments of the fence documents in it, compare, then Commit with the transaction id
+(or Rollback and ``documents.Fenced``). The transaction is begun on its own, before any read, so
+that its id is known before it holds a lock: a read that began it (``new_transaction``) would save
+a round trip, but when that read's answer is lost (UNAVAILABLE after the server applied it) the
+transaction holds read locks on the lease documents that no one can roll back until it expires
+(60 s idle), holding up lease renewals and every later fenced Commit of the shard. Every failure
+after the begin rolls the transaction back, retried while Firestore is unavailable.
+
+Sound with Firestore's primitives because read-write transactions are serializable: a Commit that
+succeeds read each fence document at a version that no later committed write preceded, so a lease
+that changed hands before the Commit fails the transaction instead of letting the old owner write
+(``sidecar.store.fencing`` gives the whole argument). Production holds pessimistic read locks until
+the Commit, so the lease write waits; our emulator validates optimistically
+(``sidecar/emulators/firestore/transactions.py``: a Commit whose read document changed is ABORTED).
+ABORTED (contention, lock timeout) retries the whole transaction
 ``_FENCE_ATTEMPTS`` times with backoff, passing ``retry_transaction`` so that it keeps its age, then
 raises ``documents.Unavailable``. Without fences a Commit is the plain Commit it always was (no
 transaction, no extra read).
@@ -52,6 +58,7 @@ from google.cloud import firestore
 from google.cloud.firestore_v1.types import (
     BatchGetDocumentsRequest,
     BatchWriteRequest,
+    BeginTransactionRequest,
     CommitRequest,
     Document,
     ListenRequest,
@@ -106,6 +113,9 @@ retry with their own backoff, and an ambiguous create is resolved by reading it 
 _FENCE_ATTEMPTS = 5
 """Tries of a fenced commit's transaction on ABORTED, as the official client's transactions (5)."""
 
+_ROLLBACK_ATTEMPTS = 6
+"""Tries of a Rollback while Firestore is unavailable (about 2 s with ``_fence_backoff_seconds``)."""
+
 
 def _fence_backoff_seconds(attempt: int) -> float:
     """Before a fenced commit's next try: capped exponential with jitter, 50 ms to 1 s."""
@@ -127,13 +137,6 @@ class _Reference:
     """A document name as a query cursor value (``reference_value``)."""
 
     name: str
-
-
-@dataclass(slots=True)
-class _Began:
-    """The id of a transaction a read began (``new_transaction``); empty until its first response."""
-
-    transaction: bytes = b""
 
 
 def _set_value(target: Any, value: Any) -> None:
@@ -254,19 +257,20 @@ class FirestoreDocuments:
             raise _translate(exc, "commit") from exc
 
     async def _fenced_commit(self, writes: Sequence[docs.Write], fences: Sequence[docs.Fence]) -> None:
-        """One read-write transaction: read the fences, compare, commit (module docstring)."""
+        """One read-write transaction: begin, read the fences, compare, commit (module docstring)."""
         paths = list(dict.fromkeys(fence.path for fence in fences))
         retry_of = b""
         aborted: BaseException | None = None
         for attempt in range(_FENCE_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(_fence_backoff_seconds(attempt - 1))
-            began = _Began()
             try:
-                # The fence reads begin the transaction (``new_transaction``): two round trips a
-                # Commit, not three with a BeginTransaction first.
-                found = await self._batch_get(paths, b"", began=began, retry_of=retry_of)
-                transaction = began.transaction
+                # Before any read: a lost answer here leaves a transaction that holds no lock.
+                transaction = await self._begin(retry_of)
+            except (*_RETRYABLE, *_TERMINAL) as exc:
+                raise _translate(exc, "fenced commit") from exc
+            try:
+                found = await self._batch_get(paths, transaction)
                 failed = docs.failed_fences(fences, found)
                 if failed:
                     await self._rollback(transaction)
@@ -282,30 +286,55 @@ class FirestoreDocuments:
                 )
                 return
             except core_exceptions.Aborted as exc:
-                # Usually the server ended it already; a Rollback makes sure no read of it lingers
-                # (an abandoned transaction holds its reads until it expires). The retry keeps its age.
-                aborted, retry_of = exc, began.transaction
-                await self._rollback(began.transaction)
+                # Usually the server ended it already; the Rollback makes sure no read of it lingers.
+                # The retry keeps its age.
+                aborted, retry_of = exc, transaction
+                await self._rollback(transaction)
             except (*_RETRYABLE, *_TERMINAL) as exc:
-                await self._rollback(began.transaction)
+                await self._rollback(transaction)
                 raise _translate(exc, "fenced commit") from exc
         raise docs.Unavailable(f"fenced commit: transaction aborted {_FENCE_ATTEMPTS} times: {aborted}")
 
+    async def _begin(self, retry_of: bytes) -> bytes:
+        """BeginTransaction (read-write; retrying ``retry_of`` keeps its age). Not retried here."""
+        request = BeginTransactionRequest.pb()(database=self._database)
+        request.options.read_write.SetInParent()
+        if retry_of:
+            request.options.read_write.retry_transaction = retry_of
+        response = await self.client._firestore_api.begin_transaction(
+            request=BeginTransactionRequest.wrap(request),
+            metadata=self.client._rpc_metadata,
+            retry=None,
+            timeout=self._timeout,
+        )
+        return bytes(response._pb.transaction)
+
     async def _rollback(self, transaction: bytes) -> None:
-        """Best effort: an abandoned transaction also ends by itself when it expires (as does one
-        whose id never came back)."""
-        if not transaction:
-            return
-        request = RollbackRequest.pb()(database=self._database, transaction=transaction)
-        try:
-            await self.client._firestore_api.rollback(
-                request=RollbackRequest.wrap(request),
-                metadata=self.client._rpc_metadata,
-                retry=None,
-                timeout=self._timeout,
-            )
-        except (*_RETRYABLE, *_TERMINAL):
-            pass
+        """Roll ``transaction`` back, retried while Firestore is unavailable (``_ROLLBACK_ATTEMPTS``):
+        an abandoned read-write transaction keeps its locks on the fence documents until it expires
+        (60 s idle), and those locks hold up the lease renewals and every later fenced Commit. An
+        answer that the transaction is unknown or expired means it is over: done."""
+        for attempt in range(_ROLLBACK_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(_fence_backoff_seconds(attempt - 1))
+            request = RollbackRequest.pb()(database=self._database, transaction=transaction)
+            try:
+                await self.client._firestore_api.rollback(
+                    request=RollbackRequest.wrap(request),
+                    metadata=self.client._rpc_metadata,
+                    retry=None,
+                    timeout=self._timeout,
+                )
+                return
+            except _RETRYABLE:
+                continue
+            except _TERMINAL:
+                return  # unknown, expired or refused: nothing of it is held any more
+        _LOGGER.warning(
+            "firestore: a fenced commit's transaction could not be rolled back after %d tries; "
+            "its locks lapse when it expires",
+            _ROLLBACK_ATTEMPTS,
+        )
 
     async def batch_write(self, writes: Sequence[docs.Write]) -> list[tuple[int, str]]:
         request = BatchWriteRequest.pb()(database=self._database, writes=[self._write(w) for w in writes])
@@ -328,31 +357,21 @@ class FirestoreDocuments:
         except (*_RETRYABLE, *_TERMINAL) as exc:
             raise _translate(exc, "read") from exc
 
-    async def _batch_get(
-        self, paths: Sequence[str], transaction: bytes, *, began: _Began | None = None, retry_of: bytes = b""
-    ) -> dict[str, docs.Fields | None]:
-        """BatchGetDocuments (inside ``transaction`` when given: not retried, its ABORTED ends it).
-        With ``began``: in a new read-write transaction (retrying ``retry_of`` if given), whose id
-        the first response carries and ``began`` keeps; not retried either."""
+    async def _batch_get(self, paths: Sequence[str], transaction: bytes) -> dict[str, docs.Fields | None]:
+        """BatchGetDocuments (inside ``transaction`` when given: not retried, its ABORTED ends it)."""
         names = {self._name(path): path for path in paths}
         request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
         if transaction:
             request.transaction = transaction
-        elif began is not None:
-            request.new_transaction.read_write.SetInParent()
-            if retry_of:
-                request.new_transaction.read_write.retry_transaction = retry_of
         found: dict[str, docs.Fields | None] = {}
         stream = await self.client._firestore_api.batch_get_documents(
             request=BatchGetDocumentsRequest.wrap(request),
             metadata=self.client._rpc_metadata,
-            retry=None if transaction or began is not None else _READ_RETRY,
+            retry=None if transaction else _READ_RETRY,
             timeout=self._timeout,
         )
         async for response in stream:
             raw = response._pb
-            if began is not None and raw.transaction:
-                began.transaction = bytes(raw.transaction)
             if raw.HasField("found"):
                 fields = {name: _get_value(value) for name, value in raw.found.fields.items()}
                 found[names[raw.found.name]] = fields

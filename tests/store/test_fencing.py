@@ -225,3 +225,23 @@ async def test_reads_added_by_fencing_one_per_shard_touched_per_commit() -> None
         counts[fenced] = (one, memory.reads - reads)
     assert counts[False] == (0, 0)
     assert counts[True] == (1, 2), counts  # one lease read per shard per fenced Commit (the flush had none due)
+
+
+async def test_a_fenced_commit_that_fails_leaves_no_lock_on_the_lease_behind(make_store, emulator):
+    """Case B of the brownout: a fenced Commit fails (UNAVAILABLE) and so does the first Rollback.
+    The transaction read the lease, so until it ends it holds the lease against every later fenced
+    Commit (and, in production, the lease renewals) for up to 60 s idle. The Rollback is retried, so
+    the next fenced Commit goes through at once instead of waiting out lock timeouts."""
+    from sidecar.emulators.faults import FaultRule
+
+    store = make_store(_CONFIG)
+    documents_ = store.documents
+    await _set_leases(store, {0: ("pod-a", 7)})
+    fence = docs.Fence(_lease(0), {"owner": "pod-a", "epoch": 7})
+    emulator.injector.add(FaultRule("firestore", "Commit", remaining=1))
+    emulator.injector.add(FaultRule("firestore", "Rollback", remaining=2))
+    with pytest.raises(StoreUnavailable):
+        await documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 1})], [fence])
+    # The emulator's lock wait is 20 s: a lingering transaction would hold this one up that long.
+    await asyncio.wait_for(documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 2})], [fence]), 10)
+    assert (await documents(client_of(store), f"{_ROOT}/keys"))["x"] == {"n": 2}
