@@ -3,7 +3,9 @@
 Routes (JSON in and out; bad input is 400 with ``{"error": reason}``, never a crash):
 - ``GET /healthz``: ``{"status": "ok"}``;
 - ``GET /faults``: the active rules; ``POST /faults``: add one rule (``FaultRule.from_json``), answers
-  the rule with its id; ``DELETE /faults[?service=S]``: remove all rules (of one service);
+  the rule with its id; ``DELETE /faults[?service=S]``: remove all rules (of one service). A rule
+  fails calls before they run, or with ``"lose_reply": true`` after they ran (a write applied whose
+  answer never came; unary calls only);
 - ``POST /streams/break`` ``{"service": "pubsub", "code": "UNAVAILABLE"}``: end that service's open
   streams with the code, answers how many were broken.
 Each emulator adds its own routes through ``build_admin_app(injector, extra_routes)``.

@@ -1,9 +1,12 @@
 """Fault injection for the emulators, switchable at run time.
 
 A rule fails calls to one RPC (or all, ``method="*"``) of one emulator with a status code at a
-rate, and/or delays them. Rules are applied by a gRPC server interceptor, so the emulators'
-servicers need not know about faults at all. Stream-specific faults (breaking open StreamingPull
-streams) are the Pub/Sub emulator's own; they hang off the same injector via ``stream_breakers``.
+rate, and/or delays them. A rule with ``lose_reply`` lets the call run and fails its answer
+instead: a write that applied although its caller saw an error (production's "outcome unknown"),
+which a caller's retry then meets as a duplicate or a failed precondition. Rules are applied by a
+gRPC server interceptor, so the emulators' servicers need not know about faults at all.
+Stream-specific faults (breaking open StreamingPull streams) are the Pub/Sub emulator's own; they
+hang off the same injector via ``stream_breakers``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ class FaultRule:
     ("Commit", "StreamingPull") or "*". ``code`` None means delay only. ``remaining`` bounds how
     many calls the rule fails (None: no bound). ``writes_to`` (Firestore Commit and BatchWrite) limits
     the rule to requests writing a document whose name contains that text, e.g. "/messages/" slows
-    a sidecar's message writes and leaves its lease renewals alone.
+    a sidecar's message writes and leaves its lease renewals alone. ``lose_reply`` runs the call
+    first and then fails it with ``code``: only unary calls (Commit, BatchWrite, Acknowledge,
+    Publish...) have a reply to lose, so streaming calls ignore such a rule.
     """
 
     service: str
@@ -40,6 +45,7 @@ class FaultRule:
     remaining: int | None = None
     rule_id: int = 0
     writes_to: str | None = None
+    lose_reply: bool = False
 
     def matches(self, service: str, method: str, request: Any = None) -> bool:
         if self.service != service or self.method not in ("*", method):
@@ -59,6 +65,7 @@ class FaultRule:
             "delay_seconds": self.delay_seconds,
             "remaining": self.remaining,
             "writes_to": self.writes_to,
+            "lose_reply": self.lose_reply,
         }
 
     @classmethod
@@ -88,6 +95,11 @@ class FaultRule:
         writes_to = body.get("writes_to")
         if writes_to is not None and (not isinstance(writes_to, str) or not writes_to):
             raise ValueError("writes_to: must be a non-empty string (part of a document name)")
+        lose_reply = body.get("lose_reply", False)
+        if not isinstance(lose_reply, bool):
+            raise ValueError("lose_reply: must be true or false")
+        if lose_reply and code is None:
+            raise ValueError("lose_reply: needs a code to fail the reply with")
         return cls(
             service=service,
             method=str(body.get("method", "*")),
@@ -96,7 +108,18 @@ class FaultRule:
             delay_seconds=delay,
             remaining=None if remaining is None else int(remaining),
             writes_to=writes_to,
+            lose_reply=lose_reply,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class FaultDecision:
+    """One call's fate: wait ``delay_seconds``, then fail with ``code`` (None: run normally), before
+    the call runs or, with ``lose_reply``, after it ran (its effect stays, its answer is lost)."""
+
+    delay_seconds: float
+    code: grpc.StatusCode | None
+    lose_reply: bool
 
 
 @dataclass
@@ -129,20 +152,26 @@ class FaultInjector:
             return list(self._rules)
 
     def decide(self, service: str, method: str, request: Any = None) -> tuple[float, grpc.StatusCode | None]:
-        """(delay in seconds, code to fail with or None) for one call."""
+        """(delay in seconds, code to fail with or None) for one streaming call (no reply to lose)."""
+        decision = self.decide_call(service, method, request, unary=False)
+        return decision.delay_seconds, decision.code
+
+    def decide_call(self, service: str, method: str, request: Any = None, *, unary: bool) -> FaultDecision:
+        """What to do with one call: its delay, and the code to fail it with before it runs or,
+        for a unary call hit by a ``lose_reply`` rule, after it ran."""
         delay = 0.0
         with self._lock:
             for rule in self._rules:
                 if not rule.matches(service, method, request):
                     continue
                 delay = max(delay, rule.delay_seconds)
-                if rule.code is None or rule.remaining == 0:
+                if rule.code is None or rule.remaining == 0 or (rule.lose_reply and not unary):
                     continue
                 if self._random.random() < rule.rate:
                     if rule.remaining is not None:
                         rule.remaining -= 1
-                    return delay, rule.code
-        return delay, None
+                    return FaultDecision(delay, rule.code, rule.lose_reply)
+        return FaultDecision(delay, None, False)
 
     async def break_streams(self, service: str, code: grpc.StatusCode) -> int:
         breaker = self.stream_breakers.get(service)
@@ -180,8 +209,18 @@ def _wrap(handler: grpc.RpcMethodHandler, injector: FaultInjector, service: str,
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await apply(context, request)
-            return await inner_uu(request, context)
+            decision = injector.decide_call(service, method, request, unary=True)
+            if decision.delay_seconds:
+                await asyncio.sleep(decision.delay_seconds)
+            if decision.code is not None and not decision.lose_reply:
+                await context.abort(decision.code, f"injected fault: {decision.code.name} on {service}/{method}")
+            response = await inner_uu(request, context)
+            if decision.code is not None:
+                # The call ran (a write is applied); its caller sees only the error.
+                await context.abort(
+                    decision.code, f"injected fault: {decision.code.name} on {service}/{method} (reply lost)"
+                )
+            return response
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary, handler.request_deserializer, handler.response_serializer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,3 +109,48 @@ def test_delayed_deliveries_arrive_after_the_delay(admin: Any, resources: Any, s
     finally:
         future.cancel()
         future.result(timeout=30)
+
+
+def test_a_lost_reply_applies_the_call_and_fails_only_its_answer(admin: Any, resources: Any) -> None:
+    status, rule = admin.admin(
+        "POST",
+        "/faults",
+        {"service": "pubsub", "method": "CreateTopic", "code": "UNAVAILABLE", "lose_reply": True, "remaining": 1},
+    )
+    assert status == 201 and rule["lose_reply"] is True
+    topic = resources.publisher.topic_path(resources.project, f"lost-{uuid.uuid4().hex[:12]}")
+    resources.topics.append(topic)
+    with pytest.raises(exceptions.ServiceUnavailable, match="reply lost"):
+        resources.publisher.create_topic(name=topic, retry=None)
+    # The caller saw an error, yet the topic exists: its retry meets ALREADY_EXISTS.
+    assert resources.publisher.get_topic(topic=topic).name == topic
+    with pytest.raises(exceptions.AlreadyExists):
+        resources.publisher.create_topic(name=topic, retry=None)
+
+
+def test_a_publish_whose_reply_is_lost_is_stored_twice_by_the_clients_retry(admin: Any, resources: Any) -> None:
+    topic = resources.topic()
+    subscription = resources.subscription(topic)
+    admin.admin(
+        "POST",
+        "/faults",
+        {"service": "pubsub", "method": "Publish", "code": "UNAVAILABLE", "lose_reply": True, "remaining": 1},
+    )
+    resources.publisher.publish(topic, b"once").result(timeout=60)
+    assert admin.admin("GET", "/faults")[1][0]["remaining"] == 0
+    pulled: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(pulled) < 2:
+        assert time.monotonic() < deadline, f"both copies of the published message never arrived: {pulled}"
+        response = resources.subscriber.pull(subscription=subscription, max_messages=10, timeout=5)
+        pulled.extend(m.message for m in response.received_messages)
+    assert [m.data for m in pulled] == [b"once", b"once"]
+    assert pulled[0].message_id != pulled[1].message_id, "two stored messages, as production's retried publish"
+
+
+def test_lose_reply_rules_are_validated(admin: Any) -> None:
+    status, body = admin.admin("POST", "/faults", {"service": "firestore", "lose_reply": "yes"})
+    assert status == 400 and "lose_reply" in body["error"]
+    status, body = admin.admin("POST", "/faults", {"service": "firestore", "code": None, "lose_reply": True})
+    assert status == 400 and "lose_reply" in body["error"]
+    assert admin.admin("GET", "/faults") == (200, [])
