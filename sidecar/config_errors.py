@@ -10,6 +10,10 @@ Rules:
 - pydantic puts the tag of a tagged union into its error paths (``ordering.sequence.key``): the tag
   is dropped here and used to say "required in sequence mode" or "belongs to watermark mode".
 - YAML duplicate keys are an error (PyYAML silently keeps the last one, hiding half a section).
+- A file is bounded (``MAX_YAML_VALUES``) twice, each with its own message: its values as written
+  ("the file is too big"), refused while reading, and the same document once its aliases are
+  expanded ("an alias bomb?"). A file over neither bound is validated, so a duplicate subscription
+  name in a big file is reported as that.
 
 ``sidecar.config`` owns the models; this module only reads them (field names and aliases).
 """
@@ -58,21 +62,41 @@ MAX_YAML_DEPTH = 64
 recurse per level, so 100,000 levels would end in RecursionError instead of a clear line."""
 
 MAX_YAML_VALUES = 100_000
-"""Values (scalars, lists, mappings) the document may hold once its aliases are expanded. A
-thousand subscriptions fit many times over; a 1.6 KB "billion laughs" alias bomb expands to 10^9
-and would take minutes and all memory before failing."""
+"""Values (scalars, lists, mappings) the document may hold, as written and once its aliases are
+expanded. A subscription takes about 20 (a fully spelled-out one about 50), so a few thousand
+subscriptions fit; a 1.6 KB "billion laughs" alias bomb expands to 10^9 and would take minutes and
+all memory before failing, and a file written out past the bound takes seconds per 100,000 values
+to read (pure-Python YAML) before it could be refused for anything else."""
+
+VALUES_PER_SUBSCRIPTION = 20
+"""About how many YAML values one subscription entry takes (name, subscription, ordering): only for
+the message that refuses a file over ``MAX_YAML_VALUES``."""
+
+
+class _TooManyValues(Exception):
+    """The document as written holds more than ``MAX_YAML_VALUES`` values (at ``line``)."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses nesting deeper than ``MAX_YAML_DEPTH`` while composing."""
+    """SafeLoader that refuses nesting deeper than ``MAX_YAML_DEPTH`` and more than
+    ``MAX_YAML_VALUES`` values as written while composing, and counts the values it composed."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self.written_values = 0
+        """Nodes composed: every value as written (an alias counts once, where it is written)."""
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         self._depth += 1
+        self.written_values += 1
         try:
+            if self.written_values > MAX_YAML_VALUES:
+                raise _TooManyValues(self.peek_event().start_mark.line + 1)  # type: ignore[no-untyped-call]
             if self._depth > MAX_YAML_DEPTH:
                 mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
                 raise yaml.MarkedYAMLError(problem=f"nested more than {MAX_YAML_DEPTH} levels deep", problem_mark=mark)
@@ -85,7 +109,8 @@ def _parse_yaml(file: str, text: str) -> tuple[Any, dict[tuple[Any, ...], int]]:
     """The document plus the 1-based line of every mapping key (by path), for error messages.
 
     Duplicate keys are an error: PyYAML would silently keep the last one, hiding half a section.
-    Depth and alias expansion are bounded before anything walks the document path by path.
+    Depth, the values as written and their expansion through aliases are bounded before anything
+    walks the document path by path; each bound has its own message (a big file is not an alias bomb).
     """
     loader: _BoundedLoader | None = None
     try:
@@ -95,11 +120,12 @@ def _parse_yaml(file: str, text: str) -> tuple[Any, dict[tuple[Any, ...], int]]:
         if node is None:
             return None, {}
         if _expanded_values(node, {}, set()) > MAX_YAML_VALUES:
+            # As written it is within the bound (the loader counted it): the aliases are what expand it.
             raise ConfigError(
                 file,
                 "",
-                f"the document expands to more than {MAX_YAML_VALUES:,} values through YAML aliases "
-                "(an alias bomb?); write the values out",
+                f"its {loader.written_values:,} values as written expand to more than {MAX_YAML_VALUES:,} "
+                "through YAML aliases (an alias bomb?); use fewer aliases",
             )
         lines: dict[tuple[Any, ...], int] = {}
         _index_node(file, node, (), lines)
@@ -109,6 +135,14 @@ def _parse_yaml(file: str, text: str) -> tuple[Any, dict[tuple[Any, ...], int]]:
             raise
         except Exception as exc:  # PyYAML's constructors raise ValueError & co. on bad tagged values
             raise ConfigError(file, "", f"invalid YAML value: {exc}") from None
+    except _TooManyValues as exc:
+        raise ConfigError(
+            file,
+            "",
+            f"the file is too big: it holds more than {MAX_YAML_VALUES:,} YAML values (line {exc.line:,} reached), "
+            f"the most a config may hold (a subscription takes about {VALUES_PER_SUBSCRIPTION}); split the "
+            "subscriptions over several sidecars",
+        ) from None
     except yaml.reader.ReaderError as exc:
         line, column = _line_column(text, exc.position)
         what = "a NUL byte" if exc.character in (0, "\x00") else f"character #x{_code(exc.character):04x}"
