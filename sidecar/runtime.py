@@ -194,7 +194,10 @@ class RuntimeCounters:
     shards_adopted: int = 0
     shards_dropped: int = 0
     acks_fenced: int = 0
-    """Acks the store refused because the shard's lease had moved on: not confirmed."""
+    """Acks refused because the shard's lease had moved on (or the engine that accepted them was
+    dropped, even if the shard was taken back since at a new epoch): not confirmed."""
+    deliveries_withheld: int = 0
+    """Deliveries taken but not sent: their shard was dropped while their payload was read back."""
 
 
 class SubscriptionRuntime:
@@ -280,6 +283,7 @@ class SubscriptionRuntime:
         self._drops: list[tuple[ShardEngine, Message]] = []
         self._drops_wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        store.watch_losses(name, self._shard_lost)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -332,6 +336,7 @@ class SubscriptionRuntime:
             counts["shards_dropped"] = self.counters.shards_dropped
             counts["shards_loading"] = self.loading_shards
             counts["acks_fenced"] = self.counters.acks_fenced
+            counts["deliveries_withheld"] = self.counters.deliveries_withheld
         if self.status_counts is not None:
             counts.update(self.status_counts())
         return counts
@@ -398,7 +403,12 @@ class SubscriptionRuntime:
         self._states_read.clear()
         try:
             snapshot = await self._retry_store(
-                self._store.load, progress=self._progress_counter(), max_payload_bytes=budget, pending=False, **extra
+                self._store.load,
+                progress=self._progress_counter(),
+                max_payload_bytes=budget,
+                pending=False,
+                epoch=None if self._shard_count is None else epoch,
+                **extra,
             )
         finally:
             self._state_loads -= 1
@@ -828,8 +838,16 @@ class SubscriptionRuntime:
         loaded = await self._retry_store(self._store.read_payloads, stripped)
         self.counters.payloads_read += len(stripped)
         by_ref = {m.payload.ref: m for m in loaded if m.payload is not None}
+        # The read took time (retried while the store is unavailable): what ``take`` checked then
+        # (the lease within its margin, the shard still this engine's) may no longer hold. Nothing
+        # is handed to an app on a check that is no longer true: a delivery of a shard dropped
+        # meanwhile is not sent (its next owner delivers it).
+        self._drop_expired_leases()
         out = []
         for delivery in deliveries:
+            if self._engines.for_delivery(delivery.delivery_id) is None:
+                self.counters.deliveries_withheld += 1
+                continue
             payload = delivery.message.payload
             if payload is not None and payload.stripped:
                 delivery = dataclasses.replace(delivery, message=by_ref[payload.ref])
@@ -926,7 +944,9 @@ class SubscriptionRuntime:
             if not entry.engine.is_blocked(key):
                 raise KeyNotBlocked(f"key {key!r} of subscription {self.name!r} is not blocked by a dead letter")
             try:
-                position = await self._store.unblock(self.name, key, self._clock())
+                position = await self._store.unblock(
+                    self.name, key, self._clock(), epochs=self._fenced({entry.shard: entry.epoch})
+                )
             except ShardLost as exc:
                 self._shard_lost(exc)
                 raise
@@ -972,15 +992,22 @@ class SubscriptionRuntime:
             if check(entry.shard) != entry.epoch:
                 self._lose(entry)
 
+    def _fenced(self, epochs: dict[int, int]) -> dict[int, int] | None:
+        """``epochs`` (shard -> the epoch a decision was made under) for the store, with leases;
+        None without (one engine, never dropped: nothing to tell apart)."""
+        return None if self._shard_count is None else epochs
+
     def _current(self, entry: ShardEngine) -> bool:
         """Whether ``entry`` still delivers its shard (not dropped or replaced since)."""
         return self._engines.get(entry.shard) is entry
 
     def _shard_lost(self, exc: ShardLost) -> None:
-        """The store refused a write: this pod's lease on those shards has moved on."""
+        """The store refused a write: this pod's lease on those shards has moved on. A shard this
+        pod holds again at another epoch than the one lost is not dropped (only what was decided
+        under the old epoch was refused)."""
         for shard in sorted(exc.shards):
             entry = self._engines.get(shard)
-            if entry is not None:
+            if entry is not None and exc.lost_at(shard, entry.epoch):
                 self._lose(entry)
 
     def _lose(self, entry: ShardEngine) -> None:
@@ -1064,12 +1091,27 @@ class SubscriptionRuntime:
         """Make ``intents`` (part of ``batch``) durable, tell the engines, settle fast-path messages;
         the batch's tickets are answered once all its parts are done."""
         lost: frozenset[int] = frozenset()
+        # Each ack goes to the store with the epoch its engine accepted it under: one accepted by
+        # an engine dropped since (the shard lost, even if taken back at a new epoch) is refused,
+        # never written under the new epoch nor confirmed (G3: its message is delivered again).
+        epochs: dict[int, int] = {}
+        current: list[AckIntent] = []
+        for intent in intents:
+            entry = self._engines.for_delivery(intent.delivery_id)
+            if entry is None:
+                self.counters.acks_fenced += 1
+                batch.refused.add(intent.delivery_id)
+            else:
+                epochs[entry.shard] = entry.epoch
+                current.append(intent)
+        intents = current
         try:
-            await self._retry_store(self._store.commit_acks, intents)
+            if intents:
+                await self._retry_store(self._store.commit_acks, intents, epochs=self._fenced(epochs))
         except ShardLost as exc:
             # Everything outside ``exc.shards`` is durable; acks inside are not, and never
             # will be by this pod: not confirmed, so the next owner delivers them again.
-            lost = exc.shards
+            lost = frozenset(shard for shard in exc.shards if exc.lost_at(shard, epochs.get(shard, -1)))
             self._shard_lost(exc)
         except BaseException as exc:
             error = SubscriptionUnavailable(f"acks of {self.name!r} could not be made durable: {exc!r}")
@@ -1138,7 +1180,9 @@ class SubscriptionRuntime:
                 await self._publish_dead_letter(action)
                 state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
                 try:
-                    await self._retry_store(self._store.mark_done, [action.message], state)
+                    await self._retry_store(
+                        self._store.mark_done, [action.message], state, epochs=self._fenced({entry.shard: entry.epoch})
+                    )
                 except ShardLost as exc:
                     # The topic has it; the next owner loads it pending and may dead-letter it again.
                     self._shard_lost(exc)
@@ -1190,11 +1234,13 @@ class SubscriptionRuntime:
             self._drops_wake.clear()
             while self._drops:
                 batch, self._drops = self._drops, []
-                messages = [message for entry, message in batch if self._current(entry)]
-                if not messages:
+                current = [(entry, message) for entry, message in batch if self._current(entry)]
+                if not current:
                     continue
+                messages = [message for _, message in current]
+                epochs = {entry.shard: entry.epoch for entry, _ in current}
                 try:
-                    await self._retry_store(self._store.mark_done, messages, DROPPED)
+                    await self._retry_store(self._store.mark_done, messages, DROPPED, epochs=self._fenced(epochs))
                 except ShardLost as exc:
                     self._shard_lost(exc)  # the next owner finds them pending and drops them again
                 except StoreError:

@@ -10,7 +10,7 @@ and only then confirms the acks to the app; recovery calls ``load`` before anyth
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,10 +56,19 @@ class ShardLost(StoreError):
     and never confirm their acks (the new owner's app gets those messages again, which G3 allows).
     """
 
-    def __init__(self, subscription: str, shards: Iterable[int]) -> None:
+    def __init__(self, subscription: str, shards: Iterable[int], epochs: Mapping[int, int] | None = None) -> None:
         self.subscription = subscription
         self.shards: frozenset[int] = frozenset(shards)
-        super().__init__(f"subscription {subscription!r}: lost shard(s) {sorted(self.shards)} to another owner")
+        self.epochs: dict[int, int] = {shard: epoch for shard, epoch in (epochs or {}).items() if shard in self.shards}
+        """Per shard, where known, the lease epoch that was lost: the state loaded, or the decisions
+        made, under that epoch. The same pod may hold the shard again at a later epoch: that is not
+        lost (``lost_at``)."""
+        at = f" (at epoch {', '.join(f'{s}: {e}' for s, e in sorted(self.epochs.items()))})" if self.epochs else ""
+        super().__init__(f"subscription {subscription!r}: lost shard(s) {sorted(self.shards)}{at} to another owner")
+
+    def lost_at(self, shard: int, epoch: int) -> bool:
+        """Whether the shard was lost as held at ``epoch`` (an unknown epoch counts as any)."""
+        return shard in self.shards and self.epochs.get(shard, epoch) == epoch
 
 
 class PayloadBudget:
@@ -194,21 +203,39 @@ class Store(Protocol):
         """Make each message durable unless it already is; one result per input, in order."""
         ...
 
-    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
-        """Make app acks durable (tombstones plus coalesced cursors). Raises StoreError if not."""
+    async def commit_acks(
+        self, subscription: str, acks: Sequence[AckIntent], now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> None:
+        """Make app acks durable (tombstones plus coalesced cursors). Raises StoreError if not.
+
+        ``epochs``: per shard, the lease epoch under which its acks were accepted (the engine's). An
+        ack of a shard the store holds at another epoch (or no longer holds) is refused, never
+        applied: ``ShardLost`` with that epoch. Every write is fenced with the epoch the shard was
+        loaded at (``load(epoch=...)``), never with whatever the pod holds when it is sent."""
         ...
 
-    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+    async def mark_done(
+        self,
+        subscription: str,
+        messages: Sequence[Message],
+        state: str,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> None:
         """Record a terminal state other than an ack: "dead_lettered" (in the key's order: moves or
         blocks the cursor), "dead_lettered_aside" (late or conflicting: outside the key's order) or
-        "dropped" (a duplicate the engine found, e.g. below the cursor). Raises StoreError if not durable."""
+        "dropped" (a duplicate the engine found, e.g. below the cursor). Raises StoreError if not
+        durable. ``epochs`` as for ``commit_acks``."""
         ...
 
-    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+    async def unblock(
+        self, subscription: str, key: str, now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> object | None:
         """Record durably that an operator passed the dead letter ``key`` is blocked at: after a
         restart the key is not blocked again, and that position counts as skipped. Returns the
         position passed (a sequence, or ``(timestamp_ms, dedup_id)``), None when the store does not
-        have the key blocked. Raises StoreError if not durable."""
+        have the key blocked. Raises StoreError if not durable. ``epochs`` as for ``commit_acks``."""
         ...
 
     async def load(
@@ -220,6 +247,7 @@ class Store(Protocol):
         shards: frozenset[int] | None = None,
         *,
         pending: bool = True,
+        epoch: int | None = None,
     ) -> EngineSnapshot:
         """Cursors and pending messages, to rebuild the engine before anything is delivered.
         ``shards``: only those shards' keys (a pod that takes shards over loads just them); None: all.
@@ -231,7 +259,9 @@ class Store(Protocol):
         when they are delivered.
         ``pending=False``: everything but the pending messages (the snapshot's ``pending`` is
         empty; the cursor state is restored all the same): read them with ``pending_pages``.
-        Raises StoreRejected, naming the document, on a document it cannot read as its own."""
+        Raises StoreRejected, naming the document, on a document it cannot read as its own.
+        ``epoch``: the lease epoch the shards are loaded under; the writes that advance them are
+        fenced with it, and those decided under another epoch are refused (``commit_acks``)."""
         ...
 
     def pending_pages(
@@ -255,6 +285,12 @@ class Store(Protocol):
         """The key's durable cursor as the store knows it now (no I/O): lets the engine forget an
         idle key and rebuild it when a message for it arrives. None: nothing durable for the key
         (or its shard was released)."""
+        ...
+
+    def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
+        """Have ``callback`` told when a write the store makes on its own (the background flush of
+        checkpoints) finds shards of ``subscription`` lost: their cursor state is forgotten, and
+        the acks waiting for their checkpoint failed with the same ``ShardLost``."""
         ...
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:

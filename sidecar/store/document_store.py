@@ -44,6 +44,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from sidecar.backoff import backoff_seconds
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout, recovery
@@ -167,6 +168,8 @@ class DocumentStore:
         """Plans the Commits that advance keys (tombstones per Commit: lower only in tests)."""
         self._flush_wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
+        self._loss_watchers: dict[str, Callable[[ShardLost], None]] = {}
+        """Per subscription: told of shards the background flush found lost (``watch_losses``)."""
         self._load_slots = asyncio.Semaphore(_LOADS_AT_ONCE)
 
     def _sub(self, name: str) -> Subscription:
@@ -187,7 +190,9 @@ class DocumentStore:
 
     # ---- acks, terminal states, cursors -------------------------------------------------------
 
-    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
+    async def commit_acks(
+        self, subscription: str, acks: Sequence[AckIntent], now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> None:
         sub = self._sub(subscription)
         items = []
         volatile = [ack for ack in acks if ack.message.volatile and not ack.aside]
@@ -201,27 +206,34 @@ class DocumentStore:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, None, aside=True))
             else:
                 items.append(Finish(ack.message, target[0], target[1], layout.ACKED, ack.cursor, ack=ack))
-        lost: frozenset[int] = frozenset()
+        lost: dict[int, int | None] = {}
         try:
-            await self._finish(sub, items, now_ms, "commit_acks")
+            await self._finish(sub, items, now_ms, "commit_acks", epochs)
         except ShardLost as exc:
-            lost = exc.shards
+            lost.update({shard: exc.epochs.get(shard) for shard in exc.shards})
         if volatile:
-            lost |= await self._volatile_acks(sub, volatile, now_ms)
+            lost.update(await self._volatile_acks(sub, volatile, now_ms, epochs))
         if lost:
-            raise ShardLost(sub.name, lost)
+            raise ShardLost(sub.name, lost, {shard: epoch for shard, epoch in lost.items() if epoch is not None})
 
-    async def _volatile_acks(self, sub: Subscription, acks: list[AckIntent], now_ms: int) -> frozenset[int]:
+    async def _volatile_acks(
+        self, sub: Subscription, acks: list[AckIntent], now_ms: int, epochs: Mapping[int, int] | None
+    ) -> dict[int, int | None]:
         """Acks of fast-path messages (no document): folded into their keys' cursors, durable with
         their shards' next checkpoints (coalesced: at most one per shard per interval), which this
-        waits for. Returns the shards lost meanwhile (their acks are not durable)."""
+        waits for. Returns the shards lost meanwhile (their acks are not durable), with the epoch
+        lost where known."""
         async with sub.lock:
+            shards = {sub.shard(ack.message.key) for ack in acks}
+            refused = sub.refused(epochs, shards)
             lost: set[int] = set()
             if self._writer.fences is not None:
-                self._writer.acquire(sub, {sub.shard(ack.message.key) for ack in acks}, lost)
+                self._writer.acquire(sub, shards - refused.keys(), lost)
             if lost:
                 sub.forget(lost)
-            mine = [ack for ack in acks if sub.shard(ack.message.key) not in lost]
+            out: dict[int, int | None] = {shard: sub.lost_at(lost).get(shard) for shard in lost}
+            out.update(refused)
+            mine = [ack for ack in acks if sub.shard(ack.message.key) not in out]
             proposed = sub.book.propose(mine, [], now_ms)
             sub.book.accept(proposed, now_ms)
             loop = asyncio.get_running_loop()
@@ -233,12 +245,20 @@ class DocumentStore:
         self._maybe_wake_flusher(sub)
         for result in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(result, ShardLost):
-                lost |= result.shards
+                out.update({shard: result.epochs.get(shard) for shard in result.shards})
             elif isinstance(result, BaseException):
                 raise result
-        return frozenset(lost)
+        return out
 
-    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+    async def mark_done(
+        self,
+        subscription: str,
+        messages: Sequence[Message],
+        state: str,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> None:
         if state not in layout.FINISH_STATES:
             raise ValueError(f"mark_done: state must be one of {sorted(layout.FINISH_STATES)}, got {state!r}")
         sub = self._sub(subscription)
@@ -260,21 +280,33 @@ class DocumentStore:
             items.append(
                 Finish(message, target[0], target[1], state, None, dead_letter=message if dead else None, aside=aside)
             )
-        await self._finish(sub, items, now_ms, "mark_done")
+        await self._finish(sub, items, now_ms, "mark_done", epochs)
 
-    async def _finish(self, sub: Subscription, items: list[Finish], now_ms: int, what: str) -> None:
+    async def _finish(
+        self, sub: Subscription, items: list[Finish], now_ms: int, what: str, epochs: Mapping[int, int] | None
+    ) -> None:
         if not items:
             return
         async with sub.lock:
-            lost = await self._writer.finish(sub, items, now_ms)
+            # Under the lock: a load restoring a shard at a new epoch takes it too.
+            refused = sub.refused(epochs, {sub.shard(item.message.key) for item in items})
+            if refused:
+                items = [item for item in items if sub.shard(item.message.key) not in refused]
+            lost = await self._writer.finish(sub, items, now_ms) if items else set()
         self._maybe_wake_flusher(sub)
-        if lost:
-            _LOGGER.warning("store: %s of %s: shard(s) %s lost to another owner", what, sub.name, sorted(lost))
-            raise ShardLost(sub.name, lost)
+        if lost or refused:
+            if lost:
+                _LOGGER.warning("store: %s of %s: shard(s) %s lost to another owner", what, sub.name, sorted(lost))
+            raise ShardLost(sub.name, lost | refused.keys(), {**sub.lost_at(lost), **refused})
 
-    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+    async def unblock(
+        self, subscription: str, key: str, now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> object | None:
         sub = self._sub(subscription)
         async with sub.lock:
+            refused = sub.refused(epochs, {sub.shard(key)})
+            if refused:
+                raise ShardLost(sub.name, refused, refused)
             current = sub.book.states.get(key)
             if current is None or current.blocked_at is None or not is_blocked(current):
                 return None
@@ -285,7 +317,7 @@ class DocumentStore:
             # the document carries every durable change of the key (the book holds nothing else).
             lost = await self._writer.unblock(sub, state, now_ms)
         if lost:
-            raise ShardLost(sub.name, lost)
+            raise ShardLost(sub.name, lost, sub.lost_at(lost))
         return position
 
     def _maybe_wake_flusher(self, sub: Subscription) -> None:
@@ -298,7 +330,7 @@ class DocumentStore:
     async def _flush_loop(self) -> None:
         """Writes the checkpoints (and cursors) left lagging, each as soon as it is due, a part of
         the shards at a time (``_FLUSH_ROUNDS``)."""
-        failed = False
+        failures = 0
         paced_until_ms = 0
         while True:
             await self._flush_wake.wait()
@@ -308,10 +340,12 @@ class DocumentStore:
             now_ms = self._clock_ms()
             due = [self._writer.next_due_ms(sub, now_ms) for sub in self._subscriptions.values()]
             first = max(paced_until_ms, min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms))
-            if failed:
-                first = max(first, now_ms + self._interval_ms)  # the store failed: not a tight loop
-            failed = False
+            if failures:
+                # The store failed: retried soon (a Commit failing at 10-20% must not cost the acks
+                # waiting for it a whole interval per failure), and backing off to an interval.
+                first = max(first, now_ms + int(1000 * self._flush_backoff_seconds(failures - 1)))
             await asyncio.sleep(max(0, first - now_ms) / 1000)
+            failed = False
             for sub in self._subscriptions.values():
                 try:
                     if await self._flush_part(sub):
@@ -319,14 +353,24 @@ class DocumentStore:
                         paced_until_ms = self._clock_ms() + self._interval_ms // _FLUSH_ROUNDS
                         self._flush_wake.set()
                 except ShardLost as exc:
-                    # Their updates are dropped (the new owner has the shards), never retried.
+                    # Their updates are dropped (the new owner has the shards), never retried; the
+                    # runtime drops them too, and tells the lease manager.
                     _LOGGER.warning("store: cursor flush of %s: %s; their cursor updates are dropped", sub.name, exc)
+                    watcher = self._loss_watchers.get(sub.name)
+                    if watcher is not None:
+                        watcher(exc)
                 except StoreError as exc:
                     _LOGGER.warning("store: cursor flush of %s failed, will retry: %s", sub.name, exc)
                     failed = True
                     self._flush_wake.set()
                     continue
                 self._maybe_wake_flusher(sub)
+            failures = failures + 1 if failed else 0
+
+    def _flush_backoff_seconds(self, attempt: int) -> float:
+        """Before the flush's next try after ``attempt + 1`` failures in a row: capped exponential
+        with jitter, from 50 ms up to the checkpoint interval."""
+        return backoff_seconds(attempt, min(0.05, self._interval_ms / 1000), self._interval_ms / 1000)
 
     async def _flush_part(self, sub: Subscription) -> bool:
         """One round of the background flush for ``sub``: the due shards written longest ago, at most
@@ -337,7 +381,7 @@ class DocumentStore:
             lost = await self._writer.flush(sub, now_ms, max_shards=per_round)
             more = bool(self._writer.due_shards(sub, now_ms))
         if lost:
-            raise ShardLost(sub.name, lost)
+            raise ShardLost(sub.name, lost, sub.lost_at(lost))
         return more
 
     async def flush(self, subscription: str) -> None:
@@ -348,7 +392,7 @@ class DocumentStore:
         async with sub.lock:
             lost = await self._writer.flush(sub, self._clock_ms())
         if lost:
-            raise ShardLost(sub.name, lost)
+            raise ShardLost(sub.name, lost, sub.lost_at(lost))
 
     # ---- load -----------------------------------------------------------------------------------
 
@@ -382,6 +426,7 @@ class DocumentStore:
         shards: frozenset[int] | None = None,
         *,
         pending: bool = True,
+        epoch: int | None = None,
     ) -> EngineSnapshot:
         sub = self._sub(subscription)
         self._check_shards(sub, shards, "load")
@@ -435,6 +480,8 @@ class DocumentStore:
             # of other shards, or a flush, sees it before or after, never half restored.
             sub.forget(wanted)
             sub.book.restore(recovered.states, dirty_since_ms=since, shards=wanted)
+            if epoch is not None:
+                sub.epochs.update(dict.fromkeys(wanted, epoch))
             for shard, clean in checkpoints.items():
                 sub.checkpoint_ms[shard] = clean
                 if clean is None:
@@ -496,6 +543,10 @@ class DocumentStore:
             skip_initial=skip_initial,
             on_initial=on_initial,
         )
+
+    def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
+        self._sub(subscription)
+        self._loss_watchers[subscription] = callback
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._sub(subscription).forget(shards)

@@ -34,22 +34,30 @@ Rules:
   an old owner can no more move it than a cursor.
 - Persist (intake: creates) is never fenced: any pod stores any message, and a create decides
   nothing about order.
+- **A drop never replaces a finished tombstone.** A ``dropped`` tombstone is written with one more
+  fence, on its own message document: ``state == pending`` (read in the same transaction). A
+  stale copy of a record the owner finished meanwhile (a read-back or a Listen snapshot older than
+  the owner's ack) would otherwise replace an ``acked`` tombstone, the only durable record of the
+  key's cursor until the next checkpoint, with one recovery does not fold: the next owner's cursor
+  would stop at a sequence no longer pending, and the key would wait for it for good. When that
+  fence fails the drop is moot and left out; the rest of the Commit is sent again.
 
-Cost: one lease read per shard touched per fenced Commit; nothing without fences.
+Cost: one lease read per shard touched per fenced Commit; nothing without fences; one read per
+dropped record (its guard), fenced or not.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.engine.types import AckIntent, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout
-from sidecar.store.api import DEAD_LETTERED, ShardLost, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, KeyState, cursor_fields, overlay_fields
+from sidecar.store.api import DEAD_LETTERED, DROPPED, ShardLost, SubscriptionStoreConfig
+from sidecar.store.cursors import CursorBook, KeyState, cursor_fields, overlay_fields, skips_of
 
 _SHARDS_PER_FLUSH_COMMIT = 100
 """Shards per flush Commit: leaves most of its 500 writes for cursor documents, and bounds the
@@ -78,6 +86,13 @@ class Subscription:
     waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
     """Per shard: acks of fast-path messages waiting for the shard's next checkpoint, which makes
     them durable (``DocumentStore.commit_acks``). Resolved by that Commit; failed with ShardLost."""
+    epochs: dict[int, int] = field(default_factory=dict)
+    """Per shard: the lease epoch its cursor state was loaded under (``load(epoch=...)``). Its
+    writes are fenced with that epoch, and decisions made under another one are refused
+    (``refused``): the same pod may lose a shard and take it again at a later epoch, and what its
+    engine of the earlier epoch accepted must not be written, nor confirmed, under the new one."""
+    lost_epochs: dict[int, int] = field(default_factory=dict)
+    """Per shard: the epoch it was last forgotten at (for ``ShardLost.epochs``)."""
 
     def shard(self, key: str) -> int:
         return self.book.shard(key)
@@ -89,10 +104,25 @@ class Subscription:
         for shard in lost:
             self.checkpoint_ms.pop(shard, None)
             self.checkpoint_written_ms.pop(shard, None)
+            epoch = self.epochs.pop(shard, None)
+            if epoch is not None:
+                self.lost_epochs[shard] = epoch
             for waiter in self.waiters.pop(shard, []):
                 if not waiter.done():
-                    waiter.set_exception(ShardLost(self.name, [shard]))
+                    waiter.set_exception(ShardLost(self.name, [shard], self.lost_at(lost)))
         self.stale -= lost
+
+    def refused(self, epochs: Mapping[int, int] | None, shards: Iterable[int]) -> dict[int, int]:
+        """Of ``shards``, those whose decisions were made under an epoch (``epochs``) other than
+        the one their state is held at now (or whose state is not held): shard -> that epoch.
+        Without ``epochs`` (a store without leases) nothing is refused."""
+        if epochs is None:
+            return {}
+        return {shard: epochs[shard] for shard in shards if shard in epochs and self.epochs.get(shard) != epochs[shard]}
+
+    def lost_at(self, shards: Iterable[int]) -> dict[int, int]:
+        """The epochs ``shards`` were lost at, where known."""
+        return {shard: self.lost_epochs[shard] for shard in shards if shard in self.lost_epochs}
 
     def checkpointed(self, shard: int, clean_ms: int, now_ms: int) -> None:
         """The shard's checkpoint was written: ``clean_ms`` holds; the acks waiting for it are durable
@@ -198,9 +228,14 @@ class ShardWriter:
     ) -> None:
         """``items``' tombstones plus the due cursors and checkpoints of ``shards``, fenced; booked
         once durable. Lost shards are dropped and the rest is sent again until it applies."""
+        moot: set[str] = set()
         while True:
             shards -= lost
-            items = [item for item in items if sub.shard(item.message.key) not in lost]
+            items = [
+                item
+                for item in items
+                if sub.shard(item.message.key) not in lost and layout.message_path(sub.path, item.doc_id) not in moot
+            ]
             if not shards:
                 return
             fences = self.acquire(sub, shards, lost)
@@ -208,8 +243,13 @@ class ShardWriter:
                 sub.forget(lost)
                 continue
             writes: list[docs.Write] = []
+            guards: list[docs.Fence] = []
             for item in items:
                 path = layout.message_path(sub.path, item.doc_id)
+                if item.state == DROPPED:
+                    # A drop finishes a record that is still pending, never a tombstone: an acked one
+                    # carries the key's cursor until the next checkpoint (module docstring).
+                    guards.append(docs.Fence(path, {"state": layout.PENDING}))
                 fields = layout.tombstone_fields(
                     item.message,
                     item.state,
@@ -218,6 +258,7 @@ class ShardWriter:
                     item.cursor,
                     sub.shard(item.message.key),
                     aside=item.aside,
+                    skipped=skips_of(item.ack) if item.ack is not None else (),
                 )
                 writes.append(docs.replace(path, fields))
                 writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
@@ -238,7 +279,7 @@ class ShardWriter:
                 overlays[shard] = plan.kept
             if not writes:
                 return
-            if not await self._send(sub, writes, fences, lost):
+            if not await self._send(sub, writes, fences, lost, guards, moot):
                 continue
             sub.book.accept(proposed, now_ms, documents=spilled, overlays=overlays)
             for shard, clean in cleans.items():
@@ -273,7 +314,10 @@ class ShardWriter:
         return min(now_ms if shard not in written else written[shard] + self._interval_ms for shard in lagging)
 
     def acquire(self, sub: Subscription, shards: set[int], lost: set[int]) -> dict[int, docs.Fence]:
-        """The fence of each of ``shards``; a shard the source says is lost goes to ``lost``."""
+        """The fence of each of ``shards``; a shard the source says is lost goes to ``lost``, and so
+        does one the pod now holds at another epoch than its state was loaded under (the state is
+        that epoch's: a write of it under the new epoch would pass a fence it was never decided
+        under)."""
         if self.fences is None:
             return {}
         out: dict[int, docs.Fence] = {}
@@ -283,21 +327,39 @@ class ShardWriter:
             except ShardLost:
                 lost.add(shard)
                 continue
-            if fence is not None:
-                out[shard] = fence
+            if fence is None:
+                continue
+            loaded = sub.epochs.get(shard)
+            if loaded is not None and fence.expected.get("epoch", loaded) != loaded:
+                lost.add(shard)
+                continue
+            out[shard] = fence
         return out
 
     async def _send(
-        self, sub: Subscription, writes: list[docs.Write], fences: dict[int, docs.Fence], lost: set[int]
+        self,
+        sub: Subscription,
+        writes: list[docs.Write],
+        fences: dict[int, docs.Fence],
+        lost: set[int],
+        guards: list[docs.Fence] | None = None,
+        moot: set[str] | None = None,
     ) -> bool:
-        """Commit; False when a fence failed (its shards are then in ``lost`` and forgotten)."""
-        if not fences:
+        """Commit; False when a fence failed (its shards are then in ``lost`` and forgotten) or a
+        ``guards`` fence did (a drop's record is no longer pending: its path goes to ``moot``)."""
+        guards = guards or []
+        if not fences and not guards:
             await self._documents.commit(writes)  # no transaction: an unfenced Commit costs what it did
             return True
         try:
-            await self._documents.commit(writes, list(fences.values()))
+            await self._documents.commit(writes, [*fences.values(), *guards])
         except docs.Fenced as exc:
-            failed = {shard for shard, fence in fences.items() if fence.path in exc.paths} or set(fences)
+            guarded = {guard.path for guard in guards} & set(exc.paths)
+            failed = {shard for shard, fence in fences.items() if fence.path in exc.paths}
+            if not failed and not guarded:  # not told which: every one
+                failed, guarded = set(fences), {guard.path for guard in guards}
+            if moot is not None:
+                moot |= guarded
             lost |= failed
             sub.forget(failed)
             return False

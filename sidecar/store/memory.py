@@ -20,7 +20,8 @@ tested and measured without Firestore, with the same observable rules as the Fir
   (``fail_next("pending_pages", n)``) is tried again like the Firestore store's. Neither ``load``
   nor the pages strip payloads: ``max_payload_bytes`` is ignored here.
 - ``release`` hides the cursors of those shards from ``cursor`` until a ``load`` takes them back,
-  as a pod that lost them would; the data, being the database here, stays. No fencing: one process.
+  as a pod that lost them would; the data, being the database here, stays. No fencing: one process
+  (``epoch``/``epochs`` are accepted and ignored).
 
 Test hooks are plain public attributes: ``commit_gate`` (an ``asyncio.Event`` that ``commit_acks``
 waits on before committing), ``fail_next(method, count)`` (the next ``count`` calls of ``method``
@@ -34,7 +35,7 @@ import asyncio
 import collections
 import functools
 import hashlib
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
@@ -44,6 +45,7 @@ from sidecar.store.api import (
     PayloadBudget,
     PersistOutcome,
     PersistResult,
+    ShardLost,
     StoreError,
     StoreRejected,
     StoreUnavailable,
@@ -130,6 +132,9 @@ class MemoryStore:
             return None
         return data.cursors.get(key)
 
+    def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
+        """Nothing to watch: this store writes only when called, and has no fences."""
+
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._data(subscription).released |= shards
 
@@ -168,7 +173,9 @@ class MemoryStore:
                 results.append(PersistResult(PersistOutcome.DUPLICATE, existing.message, pending=pending))
         return results
 
-    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
+    async def commit_acks(
+        self, subscription: str, acks: Sequence[AckIntent], now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> None:
         gate = self.commit_gate
         if gate is not None:
             self.commits_waiting += 1
@@ -187,7 +194,15 @@ class MemoryStore:
             self._advance_cursor(data, ack)
         self.committed_batches.append([ack.delivery_id for ack in acks])
 
-    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
+    async def mark_done(
+        self,
+        subscription: str,
+        messages: Sequence[Message],
+        state: str,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> None:
         if state not in _TERMINAL_STATES - {"acked"}:
             raise ValueError(f"mark_done: state must be one of {sorted(_TERMINAL_STATES - {'acked'})}, got {state!r}")
         self._enter("mark_done")
@@ -206,7 +221,9 @@ class MemoryStore:
                         position if message.sequence is not None else (position, message.dedup_id)
                     )
 
-    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
+    async def unblock(
+        self, subscription: str, key: str, now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> object | None:
         """The key's last in-order dead letter: this store does not know the policy, and its caller
         (the runtime) asks only for a key the engine has blocked."""
         self._enter("unblock")
@@ -221,6 +238,7 @@ class MemoryStore:
         shards: frozenset[int] | None = None,
         *,
         pending: bool = True,
+        epoch: int | None = None,
     ) -> EngineSnapshot:
         self._enter("load")
         data = self._data(subscription)

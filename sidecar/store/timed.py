@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
-from sidecar.store.api import IncomingMessage, PayloadBudget, PersistResult, Store
+from sidecar.store.api import IncomingMessage, PayloadBudget, PersistResult, ShardLost, Store
 
 
 class TimedStore:
@@ -24,14 +24,26 @@ class TimedStore:
         finally:
             self._observe(subscription, time.perf_counter() - started)
 
-    async def commit_acks(self, subscription: str, acks: Sequence[AckIntent], now_ms: int) -> None:
-        await self._inner.commit_acks(subscription, acks, now_ms)
+    async def commit_acks(
+        self, subscription: str, acks: Sequence[AckIntent], now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> None:
+        await self._inner.commit_acks(subscription, acks, now_ms, epochs=epochs)
 
-    async def mark_done(self, subscription: str, messages: Sequence[Message], state: str, now_ms: int) -> None:
-        await self._inner.mark_done(subscription, messages, state, now_ms)
+    async def mark_done(
+        self,
+        subscription: str,
+        messages: Sequence[Message],
+        state: str,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> None:
+        await self._inner.mark_done(subscription, messages, state, now_ms, epochs=epochs)
 
-    async def unblock(self, subscription: str, key: str, now_ms: int) -> object | None:
-        return await self._inner.unblock(subscription, key, now_ms)
+    async def unblock(
+        self, subscription: str, key: str, now_ms: int, *, epochs: Mapping[int, int] | None = None
+    ) -> object | None:
+        return await self._inner.unblock(subscription, key, now_ms, epochs=epochs)
 
     async def load(
         self,
@@ -42,8 +54,11 @@ class TimedStore:
         shards: frozenset[int] | None = None,
         *,
         pending: bool = True,
+        epoch: int | None = None,
     ) -> EngineSnapshot:
-        return await self._inner.load(subscription, now_ms, progress, max_payload_bytes, shards, pending=pending)
+        return await self._inner.load(
+            subscription, now_ms, progress, max_payload_bytes, shards, pending=pending, epoch=epoch
+        )
 
     def pending_pages(
         self,
@@ -56,6 +71,9 @@ class TimedStore:
 
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         return self._inner.cursor(subscription, key)
+
+    def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
+        self._inner.watch_losses(subscription, callback)
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._inner.release(subscription, shards)
