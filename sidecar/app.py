@@ -3,9 +3,11 @@
 This module only wires; every component does its own job (``ingest``, ``store``, ``runtime``,
 ``delivery``, ``watermark``, ``observability``). It installs the process's one signal handler.
 
-Start: store and dead-letter publisher -> one runtime per subscription, each with its shard leases
-(``sidecar.leases``) carried out by ``sidecar.ownership`` -> gRPC server (health NOT_SERVING) and
-HTTP endpoint -> runtimes ready (nothing is delivered before a shard is loaded) -> runtimes'
+Start: the gRPC and HTTP listeners are bound first (an address in use, e.g. a second sidecar on a
+running one's port, stops the start there: one line on stderr, exit 2, nothing else ran) -> store
+and dead-letter publisher -> one runtime per subscription, each with its shard leases
+(``sidecar.leases``) carried out by ``sidecar.ownership`` (gRPC health NOT_SERVING meanwhile) ->
+runtimes ready (nothing is delivered before a shard is loaded) -> runtimes'
 background work, lease rounds and the Listen on the lease documents -> ingest and watermark sources
 -> once every shard taken in the first lease round is loaded (none taken: that round is done),
 health SERVING, /readyz ready, and the log line ``sidecar ready: ... gRPC on ADDR, HTTP on ADDR``
@@ -44,6 +46,7 @@ from sidecar.engine.types import Deliver
 from sidecar.grpc_server import GrpcServer
 from sidecar.ingest import Ingestor
 from sidecar.leases.manager import ShardLeases
+from sidecar.listening import ListenError, ensure_tcp_port_free
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
 from sidecar.ownership import ShardOwnership
@@ -112,9 +115,23 @@ class Sidecar:
                 _LOGGER.critical("cannot start: %s", _describe(exc), exc_info=exc)
                 return
             subs, grpc_server, http, readiness = parts
+            try:
+                grpc_address = await self._listen(grpc_server, http)
+            except ListenError as exc:
+                # Nothing else started: one line, exit 2 (``sidecar.listening``).
+                self.failure = exc
+                print(f"pubsub-sidecar: {exc}", file=sys.stderr, flush=True)
+                await grpc_server.stop(0)
+                return
+            # Index exemptions and the TTL policy (docs/operations.md): a warning per missing piece,
+            # naming the command; never a reason not to start, so it runs beside the start.
+            deployment_check = asyncio.create_task(
+                check_deployment(self.config.project, self.config.firestore.database, _LOGGER), name="deployment-check"
+            )
+            clients.callback(deployment_check.cancel)
             stopped: list[str] = []
             try:
-                await self._run(subs, grpc_server, http, readiness)
+                await self._run(subs, grpc_server, http, readiness, grpc_address)
             except Exception as exc:  # a startup failure (cannot listen, ...): stop what did start
                 self.failure = exc
                 _LOGGER.critical("sidecar failed: %s", _describe(exc), exc_info=exc)
@@ -167,12 +184,6 @@ class Sidecar:
             fences=fence,
         )
         clients.push_async_callback(_close_quietly, "store", store.close)
-        # Index exemptions and the TTL policy (docs/operations.md): a warning per missing piece,
-        # naming the command; never a reason not to start, so it runs beside the start.
-        deployment_check = asyncio.create_task(
-            check_deployment(config.project, config.firestore.database, _LOGGER), name="deployment-check"
-        )
-        clients.callback(deployment_check.cancel)
         dead_letters = DeadLetterPublisher(
             {sub.name: sub.dead_letter_topic for sub in config.subscriptions},
             subscription_paths={sub.name: sub.subscription for sub in config.subscriptions},
@@ -228,11 +239,24 @@ class Sidecar:
         http = HttpEndpoint(config.http, self.metrics, readiness, functools.partial(_stuck, subs))
         return subs, grpc_server, http, readiness
 
-    async def _run(
-        self, subs: dict[str, _Subscription], grpc_server: GrpcServer, http: HttpEndpoint, readiness: Readiness
-    ) -> None:
+    async def _listen(self, grpc_server: GrpcServer, http: HttpEndpoint) -> str:
+        """Bind both servers before anything else starts; raises ``ListenError`` (one line) when an
+        address is in use. The HTTP port is checked before gRPC binds, so that a clash on either
+        is the only line the process prints."""
+        host, _, port = self.config.http.rpartition(":")
+        ensure_tcp_port_free(host, int(port), "http")
         grpc_address = await grpc_server.start()
         await http.start()
+        return grpc_address
+
+    async def _run(
+        self,
+        subs: dict[str, _Subscription],
+        grpc_server: GrpcServer,
+        http: HttpEndpoint,
+        readiness: Readiness,
+        grpc_address: str,
+    ) -> None:
         for s in subs.values():
             if self._stop.is_set():
                 return
@@ -537,6 +561,8 @@ async def _main(config: SidecarConfig, grace_seconds: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, sidecar.request_stop)
     await sidecar.serve()
+    if isinstance(sidecar.failure, ListenError):
+        return EXIT_USAGE
     return EXIT_FAILURE if sidecar.failure is not None else EXIT_OK
 
 

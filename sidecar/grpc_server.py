@@ -1,7 +1,10 @@
 """The app-facing gRPC server: OrderedDelivery, grpc.health.v1.Health and server reflection.
 
 Listens on ``host:port`` (port 0 picks a free port) or ``unix:///path``; ``start()`` returns the
-address actually bound. Health has one entry per subscription name, one for
+address actually bound, or raises ``ListenError`` (one line) when the address is in use: never
+shared with another process (no ``SO_REUSEPORT``; a live Unix socket is not replaced).
+
+Health has one entry per subscription name, one for
 ``pubsub_sidecar.v1.OrderedDelivery`` and the overall ``""``. All start NOT_SERVING: the caller marks
 subscriptions ready (``set_serving``) once they recovered; the service and overall entries turn
 SERVING when every subscription is. ``enter_graceful_shutdown()`` turns everything NOT_SERVING for
@@ -23,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar.delivery import OrderedDeliveryServicer
 from sidecar.delivery_handlers import SERVICE_NAME, ordered_delivery_handler
+from sidecar.listening import ListenError, ensure_tcp_port_free, is_socket_listening
 from sidecar.runtime import SubscriptionRuntime
 
 _LOGGER = logging.getLogger(__name__)
@@ -36,13 +40,12 @@ _SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Linux's SO_REUSEPORT (gRPC's default) let a second sidecar bind this port and answer part of
+    # our apps' streams and status calls: a port in use is refused instead (``sidecar.listening``).
+    ("grpc.so_reuseport", 0),
 ]
 
 _UNIX_PREFIX = "unix://"
-
-
-class ListenError(RuntimeError):
-    """The server could not listen on the configured address."""
 
 
 class GrpcServer:
@@ -138,6 +141,7 @@ def _bind(server: grpc.aio.Server, listen: str) -> str:
     host, sep, port_text = listen.rpartition(":")
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise ListenError(f"listen {listen!r}: expected host:port (port 0..65535) or unix:///path")
+    ensure_tcp_port_free(host, int(port_text), "listen")
     port = _add_port(server, listen)
     return f"{host}:{port}"
 
@@ -146,18 +150,22 @@ def _add_port(server: grpc.aio.Server, address: str) -> int:
     try:
         port: int = server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise ListenError(f"cannot listen on {address}: {exc}") from exc
+        # grpc's text points at GRPC_VERBOSITY; what it means here is one of these two.
+        raise ListenError(f"cannot listen on {address} (listen): the address is in use or not local") from exc
     if port == 0 and not address.startswith(_UNIX_PREFIX):
-        raise ListenError(f"cannot listen on {address} (address in use or not local?)")
+        raise ListenError(f"cannot listen on {address} (listen): the address is in use or not local")
     return port
 
 
 def _remove_stale_socket(path: str) -> None:
-    """A socket file left by an earlier run would make bind fail; anything else is not ours to delete."""
+    """A socket file left by an earlier run would make bind fail: removed. A socket another process
+    listens on is refused, and anything else is not ours to delete."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
         raise ListenError(f"{path} exists and is not a socket; refusing to replace it")
+    if is_socket_listening(path):
+        raise ListenError(f"cannot listen on unix://{path} (listen): another process listens on it (another sidecar?)")
     os.unlink(path)

@@ -25,6 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from sidecar.listening import ListenError, describe_bind_error
+
 _LOGGER = logging.getLogger(__name__)
 
 PREFIX = "pubsub_sidecar"
@@ -242,7 +244,11 @@ class HttpEndpoint:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(describe_bind_error(f"{self._host}:{self._port}", "http", exc)) from None
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import Scenario
-from e2e_harness import PROJECT, async_wait_until, order_message, subscription_entry, write_config
+from e2e_harness import PROJECT, SidecarProcess, async_wait_until, order_message, subscription_entry, write_config
+
+from pubsub_sidecar_client import get_status
 
 pytestmark = pytest.mark.e2e
 
@@ -121,3 +125,77 @@ async def test_sigterm_while_streaming_pull_fails_logs_only_json_lines_and_exits
     # The client was not closed under its stream thread: no "Cannot invoke RPC: Channel closed!".
     errors = [entry for entry in entries if entry["severity"] in ("ERROR", "CRITICAL")]
     assert not errors, errors
+
+
+def _run_beside(scenario: Scenario, name: str, *, listen: str, http: str) -> subprocess.CompletedProcess[str]:
+    """A second sidecar on the scenario's config, with ``listen`` and ``http`` set, run to its end."""
+    path = write_config(scenario.workdir / name, listen=listen, root=scenario.root, subscriptions=scenario.entries)
+    body = yaml.safe_load(path.read_text())
+    body["http"] = http
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_EMULATOR_HOST")}
+    env.update(scenario.emulators.env)
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "run", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+async def _answers_get_status(target: str, name: str) -> bool:
+    response = await get_status(target, name, max_keys=0, timeout_seconds=10)
+    return [sub.name for sub in response.subscriptions] == [name]
+
+
+async def test_a_second_sidecar_on_a_running_ones_ports_refuses_with_one_line_and_exit_2(scenario: Scenario) -> None:
+    sub = scenario.add_subscription("orders")
+    path = write_config(
+        scenario.workdir / "first.yaml", listen="127.0.0.1:0", root=scenario.root, subscriptions=scenario.entries
+    )
+    first = SidecarProcess(path, dict(scenario.emulators.env))
+    scenario.sidecars.append(first)
+    first.start(wait_ready=False)
+    await first.async_wait_ready()
+    assert first.grpc.startswith("127.0.0.1:") and not first.grpc.endswith(":0")
+
+    # Its gRPC port: before, SO_REUSEPORT let the second bind it too and answer part of the calls.
+    result = await asyncio.to_thread(_run_beside, scenario, "same-grpc.yaml", listen=first.grpc, http="127.0.0.1:0")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on {first.grpc} (listen): the address is in use" in lines[0]
+    assert result.stdout == ""
+
+    # Its HTTP port: before, a CRITICAL line and a traceback (and exit 1).
+    result = await asyncio.to_thread(_run_beside, scenario, "same-http.yaml", listen="127.0.0.1:0", http=first.http)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on {first.http} (http): the address is in use" in lines[0]
+
+    # The first serves on, alone: every status call reaches it (a second process on the port would
+    # have answered some of them with its own, unrecovered runtime).
+    for _ in range(20):
+        assert await _answers_get_status(first.grpc, sub.name)
+    assert first.http_get("/readyz")[0] == 200
+    assert first.returncode is None
+
+
+async def test_a_second_sidecar_on_a_live_unix_socket_refuses_and_leaves_it_in_place(scenario: Scenario) -> None:
+    sub = scenario.add_subscription("orders")
+    first = await scenario.start_sidecar()
+
+    # Before, the socket file was taken for a stale one, deleted and bound anew: new connections
+    # went to the second process.
+    result = await asyncio.to_thread(
+        _run_beside, scenario, "same-socket.yaml", listen=scenario.listen, http="127.0.0.1:0"
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on {scenario.listen} (listen): another process listens on it" in lines[0]
+    assert await _answers_get_status(scenario.listen, sub.name)
+    assert first.returncode is None
