@@ -4,6 +4,10 @@ The only module that turns engine types into protobuf messages. Rules:
 
 - Each Subscribe stream is one engine consumer with its own id. Its first request must be ``open``;
   later requests are ``ack``/``nack`` (an empty request is accepted and ignored, as a keepalive).
+- Several streams on one subscription share its keys: when other streams of the subscription
+  can take messages too, the ready ones are dealt to all of them one at a time in turn (``_deal``),
+  so that no stream takes every ready key because its sender ran first. The engine keeps a key on
+  the stream that has its messages in flight. A lone stream takes up to its budget in one call.
 - Flow control: a stream has at most ``max_outstanding_messages`` messages sent and not yet acked or
   nacked (0 = ``default_max_outstanding``; above ``max_outstanding_limit`` or negative is
   INVALID_ARGUMENT). The sender takes up to the free budget from the runtime at once and sends it in
@@ -130,6 +134,13 @@ class _Stream:
         self.wake = asyncio.Event()
         self.error: BaseException | None = None
         self.reader_done = False
+        self.dealt: list[Deliver] = []
+        """Taken for this stream by another stream's sender (``_deal``) and counted in
+        ``outstanding``, not yet sent: this stream's sender sends them next."""
+
+    def can_receive(self) -> bool:
+        """Open for new messages: no error, and the client still sends (it could ack them)."""
+        return self.error is None and not self.reader_done
 
     def free_budget(self, now_ms: int) -> int:
         free = self.max_outstanding - len(self.outstanding)
@@ -184,6 +195,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         self._default_max_outstanding = default_max_outstanding
         self._max_outstanding_limit = max_outstanding_limit
         self._streams: set[_Stream] = set()
+        self._deal_turn = 0
+        """Which stream's turn comes first in the next ``_deal`` (moves on each time)."""
         self._draining = False
         self.counters = DeliveryCounters()
 
@@ -269,12 +282,13 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             now_ms = runtime.now_ms()
             deliveries: list[Deliver] = []
             if not stream.reader_done and not self._draining:
-                # Nothing more is sent once the client stopped sending: it could never ack it.
+                # Nothing more is sent once the client stopped sending: it could never ack it (what
+                # was dealt to it stays in flight to it and is given back when the stream ends).
+                deliveries, stream.dealt = stream.dealt, []
                 free = stream.free_budget(now_ms)
                 if free > 0:
-                    deliveries = runtime.take(stream.consumer, free)
-                    for delivery in deliveries:
-                        stream.outstanding[delivery.delivery_id] = now_ms
+                    deliveries += self._take(stream, free, now_ms)
+                if deliveries:
                     # Payloads left in the store (over the held-bytes budget) are read back first.
                     deliveries = await runtime.load_payloads(deliveries)
             confirmations, stream.confirmations = stream.confirmations, []
@@ -296,6 +310,55 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                     await asyncio.wait_for(stream.wake.wait(), timeout)
                 except TimeoutError:
                     pass
+
+    def _take(self, stream: _Stream, free: int, now_ms: int) -> list[Deliver]:
+        """What ``stream`` sends now: up to ``free`` messages, or its share when other streams of its
+        subscription have room too (``_deal``). Each is counted in ``outstanding`` at once."""
+        runtime = stream.runtime
+        peers = [p for p in self._streams if p.runtime is runtime and p is not stream and p.can_receive()]
+        if peers:
+            return self._deal(stream, free, peers, now_ms)
+        # One stream on the subscription (the hot path): everything ready, up to the budget.
+        deliveries = runtime.take(stream.consumer, free)
+        for delivery in deliveries:
+            stream.outstanding[delivery.delivery_id] = now_ms
+        return deliveries
+
+    def _deal(self, stream: _Stream, free: int, peers: list[_Stream], now_ms: int) -> list[Deliver]:
+        """Deal the ready messages one at a time to every stream of the subscription with room, in
+        turn (the first turn moves on at each deal), until none is left or every budget is full;
+        returns ``stream``'s own, and wakes the others for theirs.
+
+        The engine still decides which message each take gets (a key stays with the stream that has
+        its messages in flight), so dealing spreads keys without ever splitting one. Without it the
+        stream whose sender ran first took every ready key up to its budget."""
+        runtime = stream.runtime
+        seats = [(stream, free), *((p, p.free_budget(now_ms)) for p in peers)]
+        turn = self._deal_turn % len(seats)
+        self._deal_turn += 1
+        left = {id(s): budget for s, budget in seats[turn:] + seats[:turn] if budget > 0}
+        order = [s for s, _ in seats[turn:] + seats[:turn] if id(s) in left]
+        own: list[Deliver] = []
+        while order:
+            still = []
+            for seat in order:
+                taken = runtime.take(seat.consumer, 1)
+                if not taken:
+                    continue  # nothing ready for it (what is left is in flight to other streams)
+                [delivery] = taken
+                seat.outstanding[delivery.delivery_id] = now_ms
+                if seat is stream:
+                    own.append(delivery)
+                else:
+                    seat.dealt.append(delivery)
+                left[id(seat)] -= 1
+                if left[id(seat)] > 0:
+                    still.append(seat)
+            order = still
+        for peer in peers:
+            if peer.dealt:
+                peer.wake.set()
+        return own
 
     async def _read(self, stream: _Stream, requests: AsyncIterator[sidecar_pb2.SubscribeRequest]) -> None:
         """The reader: applies acks and nacks as they arrive; never waits for a commit."""
