@@ -67,6 +67,7 @@ from sidecar.engine.types import (
     KeyStatus,
     Message,
     Payload,
+    SkippedRange,
 )
 from sidecar.engine.types import (
     KeyState as KeyStateName,
@@ -593,12 +594,17 @@ class Engine:
         self._n_out -= 1
         key = entry.key
         cursor = None if key is None else self._policy.cursor_if_acked(key, entry)
+        skipped: tuple[SkippedRange, ...] = ()
         if key is not None:
             key.n_out -= 1
             if key.n_out == 0:
                 key.consumer = None
+            if key.unrecorded_skips and type(cursor) is int and not entry.replayed:
+                # The ranges a gap skip passed below this cursor ride on the ack (``AckIntent.skipped``).
+                skipped = tuple(skip for skip in key.unrecorded_skips if skip.first < cursor)
+                entry.unrecorded_through = cursor
             self._refresh(key, now_ms)
-        return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed)
+        return AckIntent(delivery_id, entry.message, cursor, aside=entry.replayed, skipped=skipped)
 
     def ack_durable(self, delivery_ids: Iterable[str], now_ms: int) -> list[Action]:
         """The store made these acks durable: cursors advance, slots free up. Ids that are not
@@ -611,6 +617,11 @@ class Engine:
                 continue
             del deliveries[delivery_id]
             self._acked += 1
+            through = entry.unrecorded_through
+            if through is not None and entry.key is not None:
+                # The skipped ranges this ack carried are in the store now.
+                key = entry.key
+                key.unrecorded_skips = [skip for skip in key.unrecorded_skips if skip.last >= through]
             self._finish(entry, now_ms, occupied=False)  # its slot was freed by ``ack``
             if entry.twin is not None:
                 # The stored copy of a fast-path message: its ack is durable now, so its record may go.

@@ -351,6 +351,12 @@ class SequencePolicy:
         if entry.skipped is None:
             entry.skipped = []
         entry.skipped.append(SkippedRange(first, last))
+        unrecorded = key.unrecorded_skips
+        unrecorded.append(SkippedRange(first, last))
+        if len(unrecorded) > _MAX_SKIPPED_RANGES_PER_KEY:
+            # Bounded by merging the two oldest: the store then counts the sequences between them as
+            # skipped too (a copy of one is late, never dropped: G1), never the reverse.
+            unrecorded[0:2] = [SkippedRange(unrecorded[0].first, unrecorded[1].last)]
         # Step over sequences finished before a restart: the next to hand out is missing or held.
         following = lowest
         index = key.index

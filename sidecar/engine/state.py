@@ -59,6 +59,7 @@ class Entry:
         "skipped",
         "state",
         "twin",
+        "unrecorded_through",
     )
 
     def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
@@ -81,6 +82,9 @@ class Entry:
         """sequence: a replay that took the place of the dead letter its key was blocked at. In order
         (in ``out``, moves the cursor), but waits in the late queue: the run may have moved past it."""
         self.twin: Message | None = None
+        self.unrecorded_through: int | None = None
+        """sequence mode, while ACKING: the cursor its ack carried; the gap-skipped ranges below it
+        rode on that ack, so they are recorded once it is durable (``KeyState.unrecorded_skips``)."""
         """A fast-path message (``volatile``) that a stored copy of itself reached meanwhile: that
         copy's record stays pending until this one's ack is durable, then is finished as dropped."""
 
@@ -116,6 +120,7 @@ class KeyState:
         "released",
         "run_end",
         "skipped",
+        "unrecorded_skips",
         "wait_since",
         "waiting",
     )
@@ -155,6 +160,13 @@ class KeyState:
         so nothing below it was ever delivered; False when it is a restored cursor."""
         self.skipped: list[list[int]] = []
         """sequence: ranges ``[first, last]`` passed over by a gap skip; a later arrival there is late."""
+        self.unrecorded_skips: list[SkippedRange] = []
+        """sequence: ranges a gap skip passed over that no durable ack has carried to the store yet.
+        Every ack carries those below its cursor (``AckIntent.skipped``), until one that carried
+        them is durable: acks may become durable in any order, and a dead-lettered message carries
+        nothing, so no single ack can be trusted to be the one the store folds first. Unlike
+        ``skipped``, an arrival never takes a sequence out: until its message is finished, the
+        store must still count it as skipped."""
         self.blocked = False
         self.blocked_pos: object = None
         """While ``blocked``: the position of the dead letter the key stopped at (None if unknown)."""

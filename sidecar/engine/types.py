@@ -199,6 +199,11 @@ class AckIntent:
     aside: bool = False
     """A replay delivered outside its key's order (flagged ``replayed``): the store records the ack
     but folds nothing into the key's cursor (its position may belong to another message)."""
+    skipped: tuple[SkippedRange, ...] = ()
+    """sequence mode: the ranges below ``cursor`` that a gap timeout skipped and that no ack made
+    durable has carried yet (``KeyState.unrecorded_skips``). The store records these, and only
+    these, as skipped when the cursor passes them: every other sequence a cursor passes was
+    finished (acked or dead-lettered), so a copy of it is a duplicate, never late."""
 
 
 # ---- status ----------------------------------------------------------------------------------

@@ -146,24 +146,36 @@ MAX_SKIPS = 64
 """Skipped ranges kept per key (the engine keeps as many)."""
 
 
-def _record_skips(state: KeyState, before: int, after: int, position: int | None) -> None:
-    """The cursor moved from ``before`` to ``after``: what it passed unfinished (neither ``position``
-    nor a finished sequence above the old cursor) was skipped by a gap timeout."""
-    if position == before and after == before + 1:
+Skips = Sequence[tuple[int, int]]
+"""Ranges ``(first, last)`` of sequences a gap timeout skipped (``AckIntent.skipped``)."""
+
+
+def _record_skips(state: KeyState, before: int, after: int, position: int | None, skipped: Skips | None) -> None:
+    """The cursor moved from ``before`` to ``after``: record as skipped the part of ``skipped`` (the
+    ranges a gap timeout passed, as the engine carried them with the ack) in ``[before, after)``,
+    less the sequences known finished (``position``, ``done_above``). Every other sequence passed
+    was finished: a copy of it is a duplicate.
+
+    ``skipped`` None: a tombstone written before acks carried their skipped ranges (no
+    ``cursor_skips``): what the cursor passed without the fold having seen it finish is taken as
+    skipped, as that release did (a copy there is late, never dropped: G1)."""
+    if skipped is not None and not skipped:
+        return  # the usual ack: nothing skipped
+    if skipped is None and position == before and after == before + 1:
         return  # the usual in-order ack: the cursor passed nothing but the acked position
     finished = {seq for seq in state.done_above if before <= seq < after}
     if position is not None:
         finished.add(position)
-    start = before
-    for seq in [*sorted(finished), after]:
-        if seq < start:
-            continue
-        if seq > start:
-            if state.skips and state.skips[-1][1] == start - 1:
-                state.skips[-1][1] = seq - 1
-            else:
-                state.skips.append([start, seq - 1])
-        start = seq + 1
+    ranges = [(before, after - 1)] if skipped is None else sorted(skipped)
+    for first, last in ranges:
+        start, end = max(first, before), min(last, after - 1)
+        for seq in [*sorted(seq for seq in finished if start <= seq <= end), end + 1]:
+            if seq > start:
+                if state.skips and state.skips[-1][1] == start - 1:
+                    state.skips[-1][1] = seq - 1
+                else:
+                    state.skips.append([start, seq - 1])
+            start = max(start, seq + 1)
     while len(state.skips) > MAX_SKIPS:
         _, last = state.skips.pop(0)
         state.known_from = max(state.known_from or 0, last + 1)
@@ -178,16 +190,21 @@ def _unskip(state: KeyState, seq: int) -> None:
             return
 
 
-def fold_ack(state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None) -> None:
-    """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``."""
+def fold_ack(
+    state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None, skipped: Skips | None = ()
+) -> None:
+    """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``, with
+    the ranges a gap timeout skipped below it (``AckIntent.skipped``; None: unknown, ``_record_skips``)."""
     if mode == "sequence":
         before = state.next_sequence
         if isinstance(cursor, int):
             state.next_sequence = _max(state.next_sequence, cursor)
         if before is None and state.next_sequence is not None and state.known_from is None:
             state.known_from = position if isinstance(position, int) else state.next_sequence  # adopted
+            if skipped:
+                before = state.known_from  # an adopted key whose first durable ack passed a skipped range
         if before is not None and state.next_sequence is not None and state.next_sequence > before:
-            _record_skips(state, before, state.next_sequence, position if isinstance(position, int) else None)
+            _record_skips(state, before, state.next_sequence, position if isinstance(position, int) else None, skipped)
         if isinstance(position, int) and state.next_sequence is not None and position >= state.next_sequence:
             state.done_above.add(position)
         elif isinstance(position, int):
@@ -264,6 +281,11 @@ def is_blocked(state: KeyState) -> bool:
     return state.last_position is None or state.blocked_at > state.last_position
 
 
+def skips_of(ack: AckIntent) -> list[tuple[int, int]]:
+    """The ranges a gap timeout skipped below the ack's cursor, as the engine carried them."""
+    return [(skip.first, skip.last) for skip in ack.skipped]
+
+
 def position_of(message: Message) -> int | Position | None:
     if message.sequence is not None:
         return message.sequence
@@ -331,7 +353,7 @@ class CursorBook:
         for ack in acks:
             state = self._copy(ack.message.key, proposed)
             before = cursor_fields(state)
-            fold_ack(state, self.mode, position_of(ack.message), ack.cursor)
+            fold_ack(state, self.mode, position_of(ack.message), ack.cursor, skips_of(ack))
             self._touch(state, before, now_ms)
         for message, in_order in [*((m, True) for m in dead_letters), *((m, False) for m in aside)]:
             position = position_of(message)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from sidecar.engine.types import Message, Payload
@@ -295,6 +296,14 @@ takes 1/S of the tombstones; and a per-shard load asks for exactly its shard's r
 (``done_at_range``). ``done_ms`` is kept for reading, exempted from indexing (firestore.indexes.json)."""
 
 
+CURSOR_SKIPS = "cursor_skips"
+"""Field of an ack's tombstone beside ``cursor_seq``: the ranges a gap timeout skipped below that
+cursor, as the engine knew them (``AckIntent.skipped``), flat ``[first, last, ...]``. Recovery
+records exactly these as skipped when it folds the cursor; every other sequence the cursor passes
+was finished. A tombstone with ``cursor_seq`` and no ``cursor_skips`` comes from an earlier release,
+which inferred the skips from the cursor's movement: recovery infers them the same way for it."""
+
+
 def done_at_value(shard: int, done_ms: int) -> str:
     """``SSSS/ddddddddddddddd``: ordered by shard, then by time (fixed widths: text order is number order)."""
     return f"{shard:04d}/{max(done_ms, 0):015d}"
@@ -318,6 +327,7 @@ def tombstone_fields(
     shard: int,
     *,
     aside: bool = False,
+    skipped: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """A finished message's whole document: identity stays (a late copy is still a duplicate),
     data and attributes go, ``expire_at`` lets a TTL policy delete it after the dedup TTL.
@@ -326,6 +336,8 @@ def tombstone_fields(
     document is already gone (its earlier tombstone expired) is still one recovery can read.
     ``cursor_*`` is the key's cursor once this ack is durable (``AckIntent.cursor``): recovery folds
     recent tombstones in, so a cursor document that lagged behind (coalesced writes) loses nothing.
+    A sequence cursor comes with ``cursor_skips`` (``CURSOR_SKIPS``), the ranges a gap timeout
+    skipped below it (``AckIntent.skipped``, flat: first, last, ...; usually empty).
     """
     fields: dict[str, Any] = {
         "key": message.key,
@@ -350,6 +362,7 @@ def tombstone_fields(
         fields["aside"] = True
     if isinstance(cursor, int):
         fields["cursor_seq"] = cursor
+        fields[CURSOR_SKIPS] = [bound for first_last in skipped for bound in first_last]
     elif isinstance(cursor, tuple):
         fields["cursor_ts"], fields["cursor_id"] = cursor
     return fields

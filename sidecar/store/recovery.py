@@ -48,7 +48,16 @@ from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
-from sidecar.store.layout import ACKED, DONE_STATES, LAYOUT_VERSION, OVERLAY, CorruptDocument, check_version, require_v2
+from sidecar.store.layout import (
+    ACKED,
+    CURSOR_SKIPS,
+    DONE_STATES,
+    LAYOUT_VERSION,
+    OVERLAY,
+    CorruptDocument,
+    check_version,
+    require_v2,
+)
 
 CHECKPOINT_MARGIN_MS = 5_000
 """Tombstones finished this long before the checkpoint are read too: absorbs wall-clock steps
@@ -138,7 +147,6 @@ def recover(
     states: dict[str, KeyState] = {}
     stored: dict[str, dict[str, Any]] = {}
 
-
     def keep(state: KeyState) -> None:
         if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
             state.next_sequence = rules.sequence_start
@@ -162,14 +170,14 @@ def recover(
         if shards is None or require_v2(f"message document {doc_id}", fields) in shards
     ]
     tombstones = sorted((_tombstone(doc_id, fields, mode) for doc_id, fields in mine), key=lambda t: (t[1], t[0]))
-    for _doc_id, _done_ms, key, state_name, position, cursor, aside in tombstones:
+    for _doc_id, _done_ms, key, state_name, position, cursor, aside, skipped in tombstones:
         if key is None or aside:
             continue  # aside: a replay finished outside its key's order (``layout``): never folded
         key_state = states.get(key)
         if key_state is None:
             key_state = states[key] = rules.new_state(key)
         if state_name == ACKED:
-            fold_ack(key_state, mode, position, cursor)
+            fold_ack(key_state, mode, position, cursor, skipped)
         elif state_name in (DEAD_LETTERED, DEAD_LETTERED_ASIDE) and position is not None:
             in_order = state_name == DEAD_LETTERED
             fold_dead_letter(key_state, mode, position, rules.on_dead_letter, in_order=in_order)
@@ -199,8 +207,11 @@ def restorable(pending: Iterable[Message], mode: Mode) -> tuple[Message, ...]:
     return tuple(sorted(checked, key=restore_order))
 
 
-def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, int, str | None, str, Any, Any, bool]:
-    """(doc id, done_ms, key, state, position, cursor, aside) of a finished message document."""
+def _tombstone(
+    doc_id: str, fields: dict[str, Any], mode: Mode
+) -> tuple[str, int, str | None, str, Any, Any, bool, list[tuple[int, int]] | None]:
+    """(doc id, done_ms, key, state, position, cursor, aside, skipped) of a finished message document;
+    ``skipped`` None for a sequence cursor of an earlier release (``layout.CURSOR_SKIPS``)."""
     what = f"message document {doc_id}"
     require_v2(what, fields)
     state = fields.get("state")
@@ -210,10 +221,18 @@ def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, in
         raise CorruptDocument(f"{what}: not a tombstone of ours (state={state!r}, done_ms={done_ms!r})")
     position: Any = None
     cursor: Any = None
+    skipped: list[tuple[int, int]] | None = []
     try:
         if mode == "sequence":
             position = None if fields.get("seq") is None else int(fields["seq"])
             cursor = None if fields.get("cursor_seq") is None else int(fields["cursor_seq"])
+            flat = fields.get(CURSOR_SKIPS)
+            if cursor is not None and flat is None:
+                skipped = None  # an earlier release's tombstone: inferred, as it was then
+            elif flat:
+                if not isinstance(flat, list) or len(flat) % 2 or any(type(bound) is not int for bound in flat):
+                    raise ValueError(f"{CURSOR_SKIPS}={flat!r} is not a list of pairs of integers")
+                skipped = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
         elif mode == "watermark":
             if fields.get("ts") is not None:
                 position = (int(fields["ts"]), str(fields["dedup_id"]))
@@ -221,4 +240,4 @@ def _tombstone(doc_id: str, fields: dict[str, Any], mode: Mode) -> tuple[str, in
                 cursor = (int(fields["cursor_ts"]), str(fields["cursor_id"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDocument(f"{what}: {exc!r}") from exc
-    return doc_id, done_ms, key, state, position, cursor, fields.get("aside") is True
+    return doc_id, done_ms, key, state, position, cursor, fields.get("aside") is True, skipped

@@ -220,6 +220,8 @@ class _Life:
     """Shards whose pending messages are still being read (``SimConfig.paged``)."""
     budget: PayloadBudget | None = None
     """The payload budget shared by the loads under way (the runtime's ``_payload_budget``)."""
+    seen: list[Message] = field(default_factory=list)
+    """The last stored records handed to an engine: ``stale_copy`` hands one over again."""
 
     @property
     def engine(self) -> Engine:
@@ -564,6 +566,15 @@ class Simulation:
                 self._page(min(self.life.loads))
         self.active = focus
 
+    def op_stale_copy(self, arg: int) -> None:
+        """A stored record handed over again from an old read: a persist's read-back that raced the
+        owner's ack of it, or a Listen snapshot older than the owner's own writes."""
+        seen = self.life.seen
+        if seen:
+            message = seen[arg % len(seen)]
+            if self.owns(self._shard(message.key)):
+                self._on_stored(message)
+
     def op_listen(self, arg: int) -> None:
         """The owner's Listen on ``inbox == shard and state == pending`` hands over other pods' intake."""
         for path, fields in sorted(self.documents.docs.items()):
@@ -874,6 +885,7 @@ class Simulation:
         "listen",
         "page",
         "page",
+        "stale_copy",
     )
 
     def _tick_all(self) -> None:
@@ -974,6 +986,8 @@ class Simulation:
             self.left_out += 1
             return  # its record was restored from a page already: the engine has it
         actions = engine.on_stored(message, self.now_ms)
+        if message.payload is not None and message.payload.ref:
+            life.seen = [*life.seen[-15:], message]
         budget = self.config.max_held_bytes
         if message.payload is not None and (not actions or isinstance(actions[0], Hold)):
             size = len(message.payload.data)
@@ -986,6 +1000,10 @@ class Simulation:
     def _apply(self, actions: Sequence[Any]) -> None:
         for action in actions:
             if isinstance(action, DeadLetter):
+                # Late means a gap timeout skipped it: with no skip policy nothing can be (issue 27, A).
+                assert action.reason != "late" or self.config.on_gap_timeout == "skip", (
+                    f"{_identity(action.message)} dead-lettered as late, but nothing was ever skipped"
+                )
                 self.life.dead_letters.append(action)
             elif isinstance(action, DropDuplicate):
                 if action.finish_record:
