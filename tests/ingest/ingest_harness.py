@@ -8,6 +8,7 @@ Everything a harness starts is stopped by ``close()`` (the fixtures call it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any
 
 from pubsub_admin import WAIT_SECONDS, PubSubAdmin
@@ -172,8 +173,18 @@ class IngestHarness:
         return list(snapshot.pending)
 
     async def publish_order(self, key: str, seq: int | str, data: bytes | None = None, **extra: str) -> str:
+        return await asyncio.wrap_future(self.submit_order(key, seq, data, **extra))
+
+    def submit_order(
+        self, key: str, seq: int | str, data: bytes | None = None, **extra: str
+    ) -> concurrent.futures.Future[str]:
+        """Hand a message to the publisher client without yielding to the loop (for a test that keeps
+        the loop busy while the client's threads publish and receive it); its future gives the id."""
         payload = data if data is not None else f"{key}:{seq}".encode()
-        return await self.admin.publish(self.topic, payload, order_id=key, seq=str(seq), **extra)
+        future: concurrent.futures.Future[str] = self.admin.publisher.publish(
+            self.topic, payload, order_id=key, seq=str(seq), **extra
+        )
+        return future
 
 
 async def assert_subscription_empty(h: IngestHarness) -> None:

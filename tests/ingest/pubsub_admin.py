@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.request
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,17 @@ async def wait_until(predicate: Callable[[], bool], what: str, within_seconds: f
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {within_seconds}s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def block_loop_until(predicate: Callable[[], bool], what: str, within_seconds: float = WAIT_SECONDS) -> None:
+    """Keep the event loop's thread busy on purpose, polling with a deadline, until ``predicate``
+    holds: what the client's threads hand over meanwhile waits for one wake-up of the loop, so a
+    batch is certain rather than likely on a busy machine."""
+    deadline = time.monotonic() + within_seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_seconds}s waiting for {what}")
+        time.sleep(0.005)
 
 
 @dataclass(frozen=True, slots=True)

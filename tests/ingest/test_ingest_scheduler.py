@@ -12,7 +12,6 @@ import asyncio
 import collections
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from google.cloud.pubsub_v1.subscriber.futures import StreamingPullFuture
 from google.cloud.pubsub_v1.subscriber.message import Message
 from google.pubsub_v1 import types
 from ingest_harness import IngestHarness
-from pubsub_admin import WAIT_SECONDS, PubSubAdmin, wait_until
+from pubsub_admin import WAIT_SECONDS, PubSubAdmin, block_loop_until, wait_until
 
 from sidecar.emulators.stack import EmulatorStack
 from sidecar.ingest_scheduler import LoopScheduler
@@ -66,15 +65,6 @@ async def cancel_and_wait(future: StreamingPullFuture) -> None:
         if thread.name == _SHUTDOWN_THREAD_NAME:
             await asyncio.to_thread(thread.join, WAIT_SECONDS)
             assert not thread.is_alive(), "the client's stream shutdown did not finish"
-
-
-def block_loop_until(predicate: Callable[[], bool], what: str, within_seconds: float = WAIT_SECONDS) -> None:
-    """Keep the event loop's thread busy (the point of the test) until ``predicate`` holds."""
-    deadline = time.monotonic() + within_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_seconds}s waiting for {what}")
-        time.sleep(0.005)
 
 
 async def loop_caught_up() -> None:
