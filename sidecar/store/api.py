@@ -287,6 +287,14 @@ class Store(Protocol):
         (or its shard was released)."""
         ...
 
+    async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
+        """Write unwritten cursor changes now. ``shards``: those shards' changes and checkpoints, due
+        or not: called before a graceful hand-over of them (after their acks are durable, before the
+        lease goes), so that the next owner finds every cursor in the checkpoints and needs no
+        tombstone to rebuild one. None: every change that is due. Raises ShardLost (those shards'
+        changes are dropped: the next owner rebuilds them from the tombstones) or StoreError."""
+        ...
+
     def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
         """Have ``callback`` told when a write the store makes on its own (the background flush of
         checkpoints) finds shards of ``subscription`` lost: their cursor state is forgotten, and

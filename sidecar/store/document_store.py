@@ -384,13 +384,16 @@ class DocumentStore:
             raise ShardLost(sub.name, lost, sub.lost_at(lost))
         return more
 
-    async def flush(self, subscription: str) -> None:
+    async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
         """Write every due dirty cursor and checkpoint now (the background task writes them a part at
-        a time: ``_flush_part``). Raises ShardLost after writing the rest when shards were lost
-        (their updates are dropped)."""
+        a time: ``_flush_part``); with ``shards``, those shards' unwritten cursors and checkpoints,
+        due or not (``Store.flush``: before a hand-over). Raises ShardLost after writing the rest
+        when shards were lost (their updates are dropped)."""
         sub = self._sub(subscription)
+        if shards is not None:
+            self._check_shards(sub, shards, "flush")
         async with sub.lock:
-            lost = await self._writer.flush(sub, self._clock_ms())
+            lost = await self._writer.flush(sub, self._clock_ms(), only=shards)
         if lost:
             raise ShardLost(sub.name, lost, sub.lost_at(lost))
 

@@ -184,15 +184,22 @@ class ShardWriter:
             await self._commit(sub, commit, shards, now_ms, lost)
         return lost
 
-    async def flush(self, sub: Subscription, now_ms: int, max_shards: int | None = None) -> set[int]:
+    async def flush(
+        self, sub: Subscription, now_ms: int, max_shards: int | None = None, *, only: Iterable[int] | None = None
+    ) -> set[int]:
         """Every due dirty cursor and lagging checkpoint, in one Commit; returns the shards lost.
         Only shards whose checkpoint is due: a shard written less than an interval ago would cost a
         fence read and write nothing. With ``max_shards``, only that many of them, those written
-        longest ago first (``due_shards``)."""
-        shards = sorted(self.due_shards(sub, now_ms)[:max_shards])
+        longest ago first (``due_shards``). With ``only``: those shards' dirty cursors and lagging
+        checkpoints, due or not (a hand-over: the next owner then reads every cursor there)."""
+        if only is not None:
+            shards = sorted(set(only) & (sub.book.dirty_shards() | sub.stale))
+        else:
+            shards = sorted(self.due_shards(sub, now_ms)[:max_shards])
         lost: set[int] = set()
         for start in range(0, len(shards), _SHARDS_PER_FLUSH_COMMIT):
-            await self._commit(sub, [], set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT]), now_ms, lost)
+            part = set(shards[start : start + _SHARDS_PER_FLUSH_COMMIT])
+            await self._commit(sub, [], part, now_ms, lost, force=only is not None)
         return lost
 
     def due_shards(self, sub: Subscription, now_ms: int) -> list[int]:
@@ -224,7 +231,14 @@ class ShardWriter:
     # ---- internals ------------------------------------------------------------------------------
 
     async def _commit(
-        self, sub: Subscription, items: list[Finish], shards: set[int], now_ms: int, lost: set[int]
+        self,
+        sub: Subscription,
+        items: list[Finish],
+        shards: set[int],
+        now_ms: int,
+        lost: set[int],
+        *,
+        force: bool = False,
     ) -> None:
         """``items``' tombstones plus the due cursors and checkpoints of ``shards``, fenced; booked
         once durable. Lost shards are dropped and the rest is sent again until it applies."""
@@ -270,7 +284,7 @@ class ShardWriter:
             spilled: list[KeyState] = []
             overlays: dict[int, list[KeyState]] = {}
             cleans: dict[int, int] = {}
-            for shard in self._due_checkpoints(sub, shards, proposed, now_ms):
+            for shard in self._due_checkpoints(sub, shards, proposed, now_ms, force):
                 plan = _plan_checkpoint(sub, shard, proposed, room, now_ms)
                 room -= len(plan.spill)
                 writes += plan.writes
@@ -287,15 +301,15 @@ class ShardWriter:
             return
 
     def _due_checkpoints(
-        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], now_ms: int
+        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], now_ms: int, force: bool = False
     ) -> list[int]:
         """The shards among ``shards`` whose checkpoint this Commit writes: those with a change not
-        yet in a cursor record (or a lagging checkpoint), at most once per interval each; the
-        others that lag are marked stale (the background flush writes them)."""
+        yet in a cursor record (or a lagging checkpoint), at most once per interval each (``force``:
+        whenever); the others that lag are marked stale (the background flush writes them)."""
         lagging = (sub.book.dirty_shards(proposed) | sub.stale) & shards
         out: list[int] = []
         for shard in sorted(lagging):
-            if self._due(sub, shard, now_ms):
+            if force or self._due(sub, shard, now_ms):
                 out.append(shard)
             sub.stale.add(shard)  # until the Commit that writes it succeeds
         return out

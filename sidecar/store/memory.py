@@ -132,6 +132,9 @@ class MemoryStore:
             return None
         return data.cursors.get(key)
 
+    async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
+        """Nothing to write: every change is applied when it is made."""
+
     def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
         """Nothing to watch: this store writes only when called, and has no fences."""
 

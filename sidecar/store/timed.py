@@ -72,6 +72,9 @@ class TimedStore:
     def cursor(self, subscription: str, key: str) -> KeyCursor | None:
         return self._inner.cursor(subscription, key)
 
+    async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
+        await self._inner.flush(subscription, shards)
+
     def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
         self._inner.watch_losses(subscription, callback)
 
