@@ -31,6 +31,14 @@ Invariants:
   key blocked, or one a gap timeout skipped before a restart) and must block. Positions the cursor
   passed are forgotten (a block there would not count any more), so the set stays within the
   key's in-flight window.
+- **Skipped ranges are what the engine says** (``AckIntent.skipped``: the ranges a gap timeout
+  passed below the ack's cursor, carried by every ack until one that carried them is durable; on
+  the ack's tombstone as ``cursor_skips``). ``fold_ack`` records as skipped exactly the carried
+  ranges the cursor passes, less what is known finished; every other sequence it passes was acked
+  or dead-lettered, though the book may not have folded that yet (a fast-path ack folded after a
+  later stored one, a lost answer retried later). Inferring skips from the cursor's movement made
+  those copies ``late`` after a restart. Only a tombstone of an earlier release, which carries no
+  ranges, is still folded by inference (a copy there is late, never dropped: G1).
 - **Cursors never move back**: every fold takes the maximum.
 - **Coalescing.** A key's cursor document is written at most once per ``interval_ms`` (Firestore
   sustains about one write per second per document); changes in between leave the key ``dirty``
@@ -80,7 +88,8 @@ class KeyState:
     """sequence mode: every sequence from here to ``next_sequence`` is finished unless in ``skips``."""
     skips: list[list[int]] = field(default_factory=list)
     """sequence mode: ranges [first, last] below ``next_sequence`` the cursor passed unfinished (a gap
-    timeout skipped them), at most ``MAX_SKIPS``; the oldest are forgotten by raising ``known_from``."""
+    timeout skipped them: ``AckIntent.skipped``), at most ``MAX_SKIPS``; the oldest are forgotten by
+    raising ``known_from``."""
     in_overlay: bool = False
     """The key's latest written state is in its shard's checkpoint (``cursors``), not (only) in its
     own cursor document, which may be older or missing: recovery takes the checkpoint's."""

@@ -15,6 +15,8 @@ Rules, and why each keeps the guarantees of DESIGN §1:
    same Commit as the change itself. So the fold sees every durable finish (G3: a confirmed ack is
    never delivered again) and nothing that was not durable (a cursor is never ahead of a finish
    whose tombstone a crash prevented: that message is pending and comes back in order, G1/G2).
+   An ack's tombstone carries the ranges a gap timeout skipped below its cursor (``cursor_skips``):
+   the fold records those as skipped and nothing else the cursor passes (``fold_ack``).
 2. **Finished sequences above the cursor** (``done_above``: out-of-order acks with
    ``max_in_flight_per_key`` > 1, dead letters under ``skip``) are restored as finished
    placeholders, so the cursor passes them as soon as the message below them is acked: no key waits
