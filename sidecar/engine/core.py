@@ -490,7 +490,11 @@ class Engine:
     def take(self, consumer: str, max_messages: int, now_ms: int) -> list[Deliver]:
         """Hand up to ``max_messages`` ready messages to ``consumer``: per key in order, within
         ``max_in_flight_per_key``, round-robin over ready keys, never a key another consumer has
-        messages in flight (or acking) on."""
+        messages in flight (or acking) on.
+
+        Should it raise (a bug: a key's books that do not add up), no key is left out of the ready
+        queues: the failing key is queued again as it was, and what this call handed out before is
+        in flight for ``consumer`` (``consumer_closed``, or its ack deadline, gives it back)."""
         if not consumer or type(consumer) is not str:
             raise ValueError(f"consumer must be a non-empty str, got {consumer!r}")
         result: list[Deliver] = []
@@ -531,7 +535,13 @@ class Engine:
             if key.consumer is not None and key.consumer != consumer:
                 self._enqueue(key, key.consumer)
                 continue
-            result.append(self._hand_out(key, policy.pop_head(key), consumer, now_ms))
+            try:
+                entry = policy.pop_head(key)
+            except Exception:
+                # Books that do not add up (a bug): the key stays queued, as it was, never stranded.
+                self._refresh(key, now_ms)
+                raise
+            result.append(self._hand_out(key, entry, consumer, now_ms))
             self._refresh(key, now_ms)
         return result
 

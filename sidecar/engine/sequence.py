@@ -116,7 +116,7 @@ class SequencePolicy:
         """Where a replay that is not at its key's block falls (module docstring): "ahead" (an
         ordinary arrival) or "behind" (the key passed its sequence, or holds a message there)."""
         seq = self.position(message)
-        if seq in key.index or (key.cursor is not None and seq < key.next_out):
+        if seq in key.index or (key.cursor is not None and seq < key.run_end):
             return "behind"
         return "ahead"
 
@@ -167,7 +167,8 @@ class SequencePolicy:
         if key.cursor is None:
             key.cursor = key.next_out = key.run_end = key.known_from = seq
             key.adopted = True
-        if seq < key.next_out:
+        if seq < key.run_end:
+            # Passed already (this position holds nothing, and a run is never short of one).
             if seq >= key.known_from and not _take_from_skipped(key.skipped, seq):
                 reason = "below the key's cursor (already acked or dead-lettered)"
                 return DropDuplicate(message, reason, finish_record=True), None
@@ -202,40 +203,42 @@ class SequencePolicy:
         return None, entry
 
     def pop_head(self, key: KeyState) -> Entry:
-        """The next releasable entry (precondition: ``key.n_ready > 0``)."""
+        """The next releasable entry (precondition: ``key.n_ready > 0``). Looks it up before it
+        changes anything: if the books were wrong it raises with the key as it was."""
+        late = key.late
+        if late:
+            entry = late.popleft()
+        else:
+            heap = key.heap
+            entry = key.index[heap[0]]
+            heapq.heappop(heap)
+            # Next in order: the next held in-order entry inside the run, else the run's end. What
+            # lies between holds nothing to hand out in order: acking or finished entries, late ones
+            # and resumed replays (handed out from the late queue), positions passed over.
+            run_end = key.run_end
+            key.next_out = heap[0] if heap and heap[0] < run_end else run_end
         key.n_held -= 1
         key.n_ready -= 1
-        if key.late:
-            return key.late.popleft()
-        seq = heapq.heappop(key.heap)
-        index = key.index
-        entry = index[seq]
-        following = seq + 1
-        run_end = key.run_end
-        # Entries still acking after a nack's rewind sit inside the run, and so may late ones (their
-        # sequence was skipped before the rewind) and resumed replays: hand out around them.
-        while following < run_end and not _in_order_held(index[following]):
-            following += 1
-        key.next_out = following
-        popped: Entry = entry
-        return popped
+        return entry
 
     def give_back(self, key: KeyState, entries: list[Entry]) -> None:
-        """Entries (already HELD again, in position order) return to the key's backlog."""
+        """Entries (already HELD again, in position order) return to the key's backlog.
+
+        In-order ones rewind ``next_out`` to the lowest of them; ``run_end`` stays: every position
+        from there up to it is held, in flight, acking, finished or passed over (skipped, or late),
+        and a position passed over stays passed over (rule of the module docstring)."""
         rewind = None
         for entry in entries:
             key.n_held += 1
+            key.n_ready += 1
             if entry.late or entry.resumed:
                 key.late.appendleft(entry)
-                key.n_ready += 1
             else:
                 heapq.heappush(key.heap, entry.pos)
                 if rewind is None or entry.pos < rewind:  # type: ignore[operator]
                     rewind = entry.pos
         if rewind is not None and rewind < key.next_out:  # type: ignore[operator]
-            key.next_out = key.run_end = rewind  # type: ignore[assignment]
-            key.n_ready = len(key.late)
-            _extend_run(key)
+            key.next_out = rewind  # type: ignore[assignment]
 
     def retire(self, key: KeyState, entry: Entry) -> None:
         """An in-order entry left the head of ``out`` finished: the cursor passes it."""

@@ -151,14 +151,16 @@ class WatermarkPolicy:
         return list(touched.values())
 
     def pop_head(self, key: KeyState) -> Entry:
+        """The next releasable entry (precondition: ``key.n_ready > 0``); raises before it changes
+        anything if the books were wrong."""
+        if key.late:
+            popped: Entry = key.late.popleft()
+        else:
+            pos, _n, popped = heapq.heappop(key.heap)
+            if key.released is None or pos > key.released:
+                key.released = pos
         key.n_held -= 1
         key.n_ready -= 1
-        if key.late:
-            return key.late.popleft()
-        pos, _n, entry = heapq.heappop(key.heap)
-        if key.released is None or pos > key.released:
-            key.released = pos
-        popped: Entry = entry
         return popped
 
     def give_back(self, key: KeyState, entries: list[Entry]) -> None:

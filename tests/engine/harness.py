@@ -97,6 +97,12 @@ class Harness:
     ack_ids: dict[str, tuple[object, ...]] = field(default_factory=dict)
     acked_this_life: set[tuple[object, ...]] = field(default_factory=set)
     handed_this_life: set[tuple[object, ...]] = field(default_factory=set)
+    furthest_this_life: dict[str, object] = field(default_factory=dict)
+    """Per key, the furthest position handed out in order in this life (late and replays aside)."""
+    durable_cursors: dict[str, int] = field(default_factory=dict)
+    """sequence mode: per key, the furthest cursor the engine exported once acks were durable."""
+    stored_copies: list[Message] = field(default_factory=list)
+    """Every message given to ``store`` (a publisher's retry or a redelivery may bring any again)."""
     failures_this_life: dict[tuple[object, ...], int] = field(default_factory=dict)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     dead_letter_done: set[tuple[object, ...]] = field(default_factory=set)
@@ -125,6 +131,7 @@ class Harness:
     # ---- operations ---------------------------------------------------------------------------
 
     def store(self, message: Message) -> None:
+        self.stored_copies.append(message)
         ident = identity(message)
         if self.lives and (ident in self.durable or ident in self.dead_letter_done):
             # Firestore keeps a tombstone: a copy of a finished message never reaches the engine
@@ -208,11 +215,33 @@ class Harness:
         self.ack_ids[delivery_id] = identity(delivery.message)
         self.acked_this_life.add(identity(delivery.message))
 
-    def make_acks_durable(self) -> None:
+    def store_copy(self, index: int) -> None:
+        """A copy of a message stored earlier arrives again (a publisher's retry, a redelivery)."""
+        if self.stored_copies:
+            self.store(self.stored_copies[index % len(self.stored_copies)])
+
+    def make_acks_durable(self, pick: random.Random | None = None) -> None:
+        """The store makes the acks durable: all at once, or (``pick``) some of them, in any order
+        (commits of separate batches finish in any order)."""
         ids, self.acking = self.acking, []
+        if pick is not None and ids:
+            pick.shuffle(ids)
+            cut = pick.randrange(1, len(ids) + 1)
+            ids, self.acking = ids[:cut], ids[cut:]
+        self._made_durable(ids)
+
+    def _made_durable(self, ids: list[str]) -> None:
         self.engine.ack_durable(ids, self.now_ms)
         for delivery_id in ids:
             self.durable.add(self.ack_ids.pop(delivery_id))
+        if self.config.mode == "sequence":
+            # The cursor written to the store never moves back: a key's durable order only grows.
+            for cursor in self.engine.export().cursors:
+                before = self.durable_cursors.get(cursor.key)
+                if before is not None and cursor.next_sequence is not None:
+                    assert cursor.next_sequence >= before, f"cursor moved back: {cursor} after {before}"
+                if cursor.next_sequence is not None:
+                    self.durable_cursors[cursor.key] = max(before or 0, cursor.next_sequence)
 
     def nack(self, index: int, *, retry_after_ms: int | None, dead_letter: bool) -> None:
         if not self.in_flight:
@@ -274,6 +303,7 @@ class Harness:
         self.ack_ids.clear()
         self.acked_this_life = set()
         self.handed_this_life = set()
+        self.furthest_this_life = {}
         self.failures_this_life = {}
         self.dead_letters.clear()  # not done: still pending in the snapshot, decided again
         for message in snapshot.pending:
@@ -353,6 +383,14 @@ class Harness:
                 if other_ident in self.flagged:
                     continue  # a replay outside the order: delivered flagged, whenever
                 assert not strict and other_ident in self.handed_this_life, f"G2: {other} before {message}"
+        if not message.replay_id and ident not in self.handed_this_life:
+            # G2 the other way round: a message handed out in order for the first time comes after
+            # nothing of its key that was handed out in order before it (in this life: a restart
+            # forgets the skips that were not made durable, and redelivers from the cursor).
+            mine = position(message)
+            furthest = self.furthest_this_life.get(message.key)
+            assert furthest is None or furthest < mine, f"G2: {message} first handed out after {furthest}"  # type: ignore[operator]
+            self.furthest_this_life[message.key] = mine
         if strict:
             for _, flying in self.in_flight.values():
                 assert flying.message.key != message.key or flying.late, "two in flight on one key"
