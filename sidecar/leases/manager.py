@@ -3,7 +3,8 @@
 Every ``lease_ms / 3`` (sooner after ``poke()``, e.g. from a Listen on the lease documents) a round
 reads all S lease documents in one batched read, asks ``sidecar.leases.planner`` what to write,
 and writes it with one BatchWrite of compare-and-set writes (per-write outcomes: one lost race costs
-only that shard). A conflict (another pod wrote first) brings the next round forward.
+only that shard). A conflict (another pod wrote first) brings the next round forward. A round that
+created missing documents (free) reads and plans again at once, to take them.
 
 Safety, and which clock serves what:
 
@@ -21,6 +22,13 @@ Safety, and which clock serves what:
   an old read changes nothing. The lease document is also the fence of every advancing write
   (``fence()``), which Firestore checks in the store's transactions: that, not the margin, is what
   makes a zombie harmless.
+
+Bad lease documents (``sidecar.leases.layout``: corrupt, a newer layout, another S beside documents
+of this S) stop their own shard only: never taken nor written, dropped if held, one ERROR line
+naming the document when a round first sees the problem (and one INFO line when it is gone), and
+listed by ``blocked()`` (counted in ``LeaseStats.blocked``) while it lasts; every other shard goes
+on. Only lease documents that all name another S than this pod's stop ``run()``
+(``LeaseLayoutError``): then it is this pod's configuration that is wrong.
 
 Callbacks: ``on_gained(shard, epoch)`` is awaited (in its own task, renewals go on meanwhile)
 before the shard counts as held; ``on_lost(shard, epoch)`` is called exactly once for every
@@ -42,7 +50,7 @@ from dataclasses import dataclass, fields
 
 from sidecar.backoff import backoff_seconds
 from sidecar.leases import planner
-from sidecar.leases.layout import LeaseView, lease_fields, lease_path, read_lease
+from sidecar.leases.layout import LeaseView, lease_fields, lease_path, read_lease, shard_count_refusal
 from sidecar.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
 from sidecar.shards import MAX_SHARDS
 from sidecar.store import documents as docs
@@ -91,6 +99,8 @@ class LeaseStats:
     read_failures: int = 0
     renewals: int = 0
     renewal_failures: int = 0
+    creates: int = 0
+    """Missing lease documents written (free): one per shard at first use, or after a deletion by hand."""
     takes: int = 0
     asks: int = 0
     handovers: int = 0
@@ -99,6 +109,8 @@ class LeaseStats:
     conflicts: int = 0
     pods: int = 0
     """Live pods seen by the last round."""
+    blocked: int = 0
+    """Shards whose lease document the last round could not read as a lease (``blocked()``)."""
 
     def counts(self) -> dict[str, int]:
         return {f"lease_{field.name}": getattr(self, field.name) for field in fields(self)}
@@ -164,6 +176,8 @@ class ShardLeases:
         """The shards held after the first completed round (``settled`` waits for their loads)."""
         self._soon = 0
         """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
+        self._blocked: dict[int, str] = {}
+        """Shard -> the problem of its lease document, as the last read saw it."""
         self.stats = LeaseStats()
 
     # ---- API for the runtime -------------------------------------------------------------------
@@ -171,8 +185,8 @@ class ShardLeases:
     async def run(self) -> None:
         """Rounds until cancelled; after ``release_all`` it only waits to be cancelled.
 
-        Raises ``LeaseLayoutError`` on a lease document it must not read as its own, and whatever
-        ``on_gained`` raised."""
+        Raises ``LeaseLayoutError`` when the lease documents name another shard count than this
+        pod's, and whatever ``on_gained`` raised. A bad document stops its shard only (``blocked``)."""
         while True:
             self._raise_failure()
             if self._left:
@@ -233,6 +247,10 @@ class ShardLeases:
         now = self._monotonic_ms()
         return {s: h.epoch for s, h in sorted(self._held.items()) if h.ready and now < h.deadline_ms}
 
+    def blocked(self) -> dict[int, str]:
+        """Shard -> why its lease document is left alone (one line naming it), as the last round saw it."""
+        return dict(self._blocked)
+
     def fence(self, shard: int) -> docs.Fence:
         """The lease document as the fence of an advancing write; ``ShardLost`` when not held."""
         epoch = self.holds(shard)
@@ -284,19 +302,25 @@ class ShardLeases:
         async with self._lock:
             if self._left:
                 return False
-            mode = self._mode
-            views = await self._read()
-            if views is None:
-                return True
-            plan = planner.plan(views, self.pod_id, self._current_epochs(), self.lease_ms, mode)
-            self.stats.pods = plan.pods
-            for shard in plan.lost:
-                self._drop(shard)
-            conflict = await self._send([w for w in plan.writes if w.action not in GIVING_UP])
-            giving = [w for w in plan.writes if w.action in GIVING_UP]
-            if giving:
-                await self._before_giving_up({w.shard for w in giving if w.shard in self._held})
-                conflict |= await self._send(giving)
+            conflict = False
+            # Missing documents are created free, then taken by a second pass at once (a first
+            # round takes what it can, which ``settled`` relies on).
+            for _ in range(2):
+                mode = self._mode
+                views = await self._read()
+                if views is None:
+                    return True
+                plan = planner.plan(views, self.pod_id, self._current_epochs(), self.lease_ms, mode)
+                self.stats.pods = plan.pods
+                for shard in plan.lost:
+                    self._drop(shard)
+                conflict |= await self._send([w for w in plan.writes if w.action not in GIVING_UP])
+                giving = [w for w in plan.writes if w.action in GIVING_UP]
+                if giving:
+                    await self._before_giving_up({w.shard for w in giving if w.shard in self._held})
+                    conflict |= await self._send(giving)
+                if not any(w.action is Action.CREATE for w in plan.writes):
+                    break
             if self._first_round is None:
                 self._first_round = dict(self._held)
             return conflict
@@ -322,10 +346,38 @@ class ShardLeases:
             return None
         self._expire_due()
         missing = docs.Versioned(None, None)
-        return [
+        views = [
             read_lease(path, shard, self._shard_count, read_us, versions.get(path, missing))
             for shard, path in enumerate(self._paths)
         ]
+        refusal = shard_count_refusal(self._sub_path, self._shard_count, views)
+        if refusal is not None:
+            raise refusal
+        self._note_problems(views)
+        return views
+
+    def _note_problems(self, views: Sequence[LeaseView]) -> None:
+        """Once per problem, not every round: an ERROR line when a document turns bad (or its problem
+        changes), an INFO line when it reads as a lease again."""
+        for view in views:
+            known = self._blocked.get(view.shard)
+            if view.problem and view.problem != known:
+                _LOGGER.error(
+                    "subscription %s: shard %d stopped, its lease document is left alone: %s",
+                    self._subscription,
+                    view.shard,
+                    view.problem,
+                )
+                self._blocked[view.shard] = view.problem
+            elif not view.problem and known is not None:
+                _LOGGER.info(
+                    "subscription %s: shard %d: lease document %s reads as a lease again",
+                    self._subscription,
+                    view.shard,
+                    self._paths[view.shard],
+                )
+                del self._blocked[view.shard]
+        self.stats.blocked = len(self._blocked)
 
     def _current_epochs(self) -> dict[int, int]:
         return {shard: holding.epoch for shard, holding in self._held.items()}
@@ -408,6 +460,8 @@ class ShardLeases:
             holding = _Holding(write.epoch, deadline_ms, None)
             self._held[write.shard] = holding
             holding.gaining = asyncio.ensure_future(self._gain(write.shard, holding))
+        elif write.action is Action.CREATE:
+            self.stats.creates += 1
         elif write.action is Action.ASK:
             self.stats.asks += 1
         elif write.action is Action.HAND_OVER:

@@ -13,22 +13,35 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
 - **Renew** every lease this pod holds (``beat + 1``: every renewal changes the document, so its
   update time, which is what expiry is measured from). A renewal clears an ask it does not grant,
   so an ask from a pod that has died never outlives the owner's next renewal.
-- **Take** (``epoch + 1``) free, missing and expired leases, and leases that name this pod but that
-  it does not hold (handed over to it, or held by an earlier life of this pod id), up to the ceiling.
-  An acquisition always moves the epoch, so a write fenced with an epoch from before never applies.
+- **Create** a missing document (first use, or deleted by hand) free, at the read's time, and take
+  it in a later round like any free lease. A create's only precondition is "missing", which a
+  document deleted and created again meanwhile also meets: a create planned before that and
+  applied after it writes an epoch from before, so no pod ever holds the epoch a create writes.
+- **Take** free and expired leases, and leases that name this pod but that it does not hold
+  (handed over to it, or held by an earlier life of this pod id), up to the ceiling. An
+  acquisition always moves the epoch, so a write fenced with an epoch from before never applies.
+- **Every change of owner** (take, hand-over, release) is a compare-and-set on the version read,
+  and sets the epoch to ``LeaseView.next_epoch``: above the one read and never below the read's
+  time, so an epoch held never repeats for a shard, even when its document was deleted or rewritten
+  by hand (``sidecar.leases.layout``).
+- **Bad documents** (a view with ``problem``: corrupt, newer layout, another S) are not leases: never
+  taken, renewed, asked for, handed over nor released, not counted in S for the fair share, and a
+  held shard whose document turned bad is ``lost`` (this pod cannot renew it).
 - **Ask** (set ``wanted_by`` to this pod, nothing else) when below ``base`` after taking, one
   lease per missing shard, from the pods holding most above ``base``, only on leases nobody asks for
   yet, and never twice: an ask changes the update time once, so it keeps a dead owner's lease alive
   for at most one more lease duration.
-- **Hand over** (``owner`` = the asking pod, ``epoch + 1``) asked-for leases while above ``base``;
-  **release** (``owner`` = ``""``, ``epoch + 1``) what is still above the ceiling, and leases naming
+- **Hand over** (``owner`` = the asking pod) asked-for leases while above ``base``; **release**
+  (``owner`` = ``""``) what is still above the ceiling, and leases naming
   this pod that it neither holds nor takes.
 - **Draining** (SIGTERM, while the apps' in-flight messages drain): renew only, take and ask
   nothing. **Leaving**: hand over or release every lease naming this pod, and withdraw its asks.
 
-A held lease whose document shows another owner or epoch is reported ``lost``. Invariants (property
-tested in tests/leases/): epochs never decrease; a write never changes the owner or epoch of a
-lease that is neither held by this pod nor free, expired or naming this pod.
+A held lease whose document shows another owner or epoch, or is missing or bad, is reported
+``lost``. Invariants (property tested in tests/leases/): every epoch a change of owner writes is
+above every epoch the shard ever had, across deletions and repairs by hand; a write never changes
+the owner or epoch of a lease that is neither held by this pod nor free, expired or naming this pod;
+a bad document is never written.
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ class Mode(enum.Enum):
 
 
 class Action(enum.Enum):
+    CREATE = "create"
+    """A missing document, written free (nobody holds its epoch)."""
     RENEW = "renew"
     ACQUIRE = "acquire"
     ASK = "ask"
@@ -98,9 +113,10 @@ def plan(
     lease_ms: int,
     mode: Mode = Mode.RUN,
 ) -> Plan:
-    """The writes of one round. ``views``: every shard's lease from one read; ``held``: shard ->
-    epoch this pod holds now (within its safety margin, or being loaded)."""
-    views = sorted(views, key=lambda v: v.shard)
+    """The writes of one round. ``views``: every shard's lease from one read (bad documents
+    included: they are left alone); ``held``: shard -> epoch this pod holds now (within its safety
+    margin, or being loaded)."""
+    views = sorted((v for v in views if not v.problem), key=lambda v: v.shard)
     lost = frozenset(s for s, e in held.items() if not _names(_view_at(views, s), me, e))
     mine = [v for v in views if v.shard in held and v.shard not in lost]
     stray = [v for v in views if v.exists and v.owner == me and (v.shard not in held or v.shard in lost)]
@@ -132,10 +148,11 @@ def plan(
     keep = keep[: len(keep) - surplus]
     writes.extend(_write(v, Action.RENEW, me, v.epoch, v.beat + 1, lease_ms, "") for v in keep)
 
+    writes.extend(_create(v, lease_ms) for v in views if not v.exists)
     candidates = _takeable(views, me, held, lost)
     room = max(0, ceiling - len(keep))
     taken = candidates[:room]
-    writes.extend(_write(v, Action.ACQUIRE, me, v.epoch + 1, v.beat + 1, lease_ms, "") for v in taken)
+    writes.extend(_write(v, Action.ACQUIRE, me, v.next_epoch, v.beat + 1, lease_ms, "") for v in taken)
     writes.extend(_release(v, lease_ms) for v in candidates[room:] if v.owner == me and not v.expired)
 
     holding = len(keep) + len(taken)
@@ -174,7 +191,9 @@ def _takeable(views: Sequence[LeaseView], me: str, held: Mapping[int, int], lost
         return group, (v.shard - start) % count
 
     takeable = [
-        v for v in views if (v.shard not in held or v.shard in lost) and (v.is_free or v.expired or v.owner == me)
+        v
+        for v in views
+        if v.exists and (v.shard not in held or v.shard in lost) and (v.is_free or v.expired or v.owner == me)
     ]
     return sorted(takeable, key=rank)
 
@@ -207,18 +226,23 @@ def _asks(views: Sequence[LeaseView], me: str, base: int, missing: int) -> list[
     return asks
 
 
+def _create(v: LeaseView, lease_ms: int) -> LeaseWrite:
+    return LeaseWrite(v.shard, Action.CREATE, "", v.next_epoch, 0, lease_ms, "", None)
+
+
 def _give_up(v: LeaseView, lease_ms: int) -> LeaseWrite:
     """To the pod asking for it, else free."""
     if v.wanted_by and v.wanted_by != v.owner:
-        return _write(v, Action.HAND_OVER, v.wanted_by, v.epoch + 1, v.beat + 1, lease_ms, "")
+        return _write(v, Action.HAND_OVER, v.wanted_by, v.next_epoch, v.beat + 1, lease_ms, "")
     return _release(v, lease_ms)
 
 
 def _release(v: LeaseView, lease_ms: int) -> LeaseWrite:
-    return _write(v, Action.RELEASE, "", v.epoch + 1, v.beat + 1, lease_ms, "")
+    return _write(v, Action.RELEASE, "", v.next_epoch, v.beat + 1, lease_ms, "")
 
 
 def _write(
     v: LeaseView, action: Action, owner: str, epoch: int, beat: int, lease_ms: int, wanted_by: str
 ) -> LeaseWrite:
-    return LeaseWrite(v.shard, action, owner, epoch, beat, lease_ms, wanted_by, v.update_time_us if v.exists else None)
+    assert v.exists and v.update_time_us is not None, "only a create writes without a version"
+    return LeaseWrite(v.shard, action, owner, epoch, beat, lease_ms, wanted_by, v.update_time_us)

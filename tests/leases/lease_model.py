@@ -2,7 +2,9 @@
 
 Time is one integer (milliseconds, the database's clock). The documents keep Firestore's rules that
 leases rely on: every write is a compare-and-set on the update time read (a create when missing),
-update times grow strictly, a read has one read time. Each pod has its own monotonic clock (an
+update times grow strictly, a read has one read time. An operator may delete a lease document,
+write a corrupt one, or repair one by hand with any epoch up to its update time (an old copy).
+Each pod has its own monotonic clock (an
 offset and a rate within 5 % of the database's) and runs rounds in steps that other pods' steps
 and the passing of time may come between: read and plan, send (a hand-over is given up locally
 first), apply at the database, answer (a renewal or take holds until ``sent + 0.8 * lease``).
@@ -16,6 +18,9 @@ from dataclasses import dataclass, field
 from sidecar.leases.layout import lease_fields, read_lease
 from sidecar.leases.planner import GIVING_UP, Action, LeaseWrite, Mode, plan
 from sidecar.store import documents as docs
+
+MOVES_EPOCH = frozenset({Action.ACQUIRE, Action.HAND_OVER, Action.RELEASE})
+"""Changes of owner, each a compare-and-set over a version read: their epochs are held."""
 
 LEASE_MS = 1_000
 SAFETY = 0.8
@@ -34,7 +39,10 @@ class Database:
     docs: dict[int, tuple[dict[str, object], int]] = field(default_factory=dict)
     now_ms: int = 0
     last_us: int = 0
-    epochs_seen: dict[int, int] = field(default_factory=dict)
+    highest: dict[int, int] = field(default_factory=dict)
+    """Per shard, the highest epoch a pod ever wrote, whatever became of the document since."""
+    by_hand: set[int] = field(default_factory=set)
+    """Shards whose document an operator deleted or rewrote (``check_one_holder`` below)."""
 
     def read(self) -> tuple[int, dict[int, docs.Versioned]]:
         read_us = max(self.now_ms * 1000, self.last_us)
@@ -50,13 +58,52 @@ class Database:
                 return False
         elif current is None or current[1] != write.update_time_us:
             return False
-        previous = self.epochs_seen.get(write.shard, 0)
-        assert write.epoch >= previous, f"epoch of shard {write.shard} went down: {previous} -> {write.epoch}"
-        self.epochs_seen[write.shard] = write.epoch
-        self.last_us = max(self.now_ms * 1000, self.last_us + 1)
+        if current is not None:
+            problem = read_lease("l", write.shard, self.shard_count, 0, docs.Versioned(*current)).problem
+            assert not problem, f"a bad lease document was overwritten: {problem}"
+        previous = self.highest.get(write.shard, 0)
+        if write.action in MOVES_EPOCH:
+            assert write.epoch > previous, f"epoch of shard {write.shard} repeated: {write.epoch} after {previous}"
+        elif write.action is Action.CREATE:
+            # Maybe planned before a deletion and applied after it (its precondition, "missing",
+            # cannot tell): then its epoch is an old one, which is why nobody holds a create's epoch.
+            assert write.owner == "", "a create names an owner"
+        else:
+            assert current is not None and write.epoch == current[0]["epoch"], "a write kept no epoch it read"
+        self.highest[write.shard] = max(previous, write.epoch)
+        self._tick()
+        # What keeps epochs unique after a deletion: no epoch a pod writes is above its own update time.
+        assert write.epoch <= self.last_us, f"epoch {write.epoch} above its update time {self.last_us}"
         fields = lease_fields(self.shard_count, write.owner, write.epoch, write.beat, write.lease_ms, write.wanted_by)
         self.docs[write.shard] = (fields, self.last_us)
         return True
+
+    def delete_by_hand(self, shard: int) -> None:
+        self._tick()
+        self.docs.pop(shard, None)
+        self.by_hand.add(shard)
+
+    def corrupt_by_hand(self, shard: int, change: dict[str, object]) -> None:
+        fields = lease_fields(self.shard_count, "someone", 3, 1, LEASE_MS, "")
+        self.docs[shard] = ({**fields, **change}, self._tick())
+        self.by_hand.add(shard)
+
+    def repair_by_hand(self, shard: int, epoch_share: float) -> None:
+        """A valid free lease whose epoch is any up to now (copied from an old backup, or 0)."""
+        update_us = self._tick()
+        fields = lease_fields(self.shard_count, "", int(update_us * epoch_share), 0, LEASE_MS, "")
+        self.docs[shard] = (fields, update_us)
+        self.by_hand.add(shard)
+
+    def is_bad(self, shard: int) -> bool:
+        current = self.docs.get(shard)
+        return current is not None and bool(
+            read_lease("l", shard, self.shard_count, 0, docs.Versioned(*current)).problem
+        )
+
+    def _tick(self) -> int:
+        self.last_us = max(self.now_ms * 1000, self.last_us + 1)
+        return self.last_us
 
 
 @dataclass(eq=False)
@@ -134,9 +181,16 @@ class Pod:
 
 
 def check_one_holder(db: Database, pods: list[Pod]) -> None:
-    """Never two pods that each believe they hold one shard at one instant."""
-    holders: dict[int, str] = {}
+    """Never two pods that each believe they hold one shard at one instant, nor one epoch held twice.
+
+    A document deleted or rewritten by hand is the exception to the first: its holder believes it
+    until its next round or margin while another pod takes the shard. The second still holds there:
+    the epochs differ, so Firestore's fence (and an app fencing by epoch) tells the two apart."""
+    holders: dict[int, tuple[str, int]] = {}
     for pod in pods:
-        for shard in pod.believes(db.now_ms):
-            assert shard not in holders, f"shard {shard} held by {holders[shard]} and {pod.name} at {db.now_ms} ms"
-            holders[shard] = pod.name
+        for shard, epoch in pod.believes(db.now_ms).items():
+            if shard in holders:
+                other, other_epoch = holders[shard]
+                assert shard in db.by_hand, f"shard {shard} held by {other} and {pod.name} at {db.now_ms} ms"
+                assert epoch != other_epoch, f"shard {shard} held by {other} and {pod.name} at one epoch {epoch}"
+            holders[shard] = (pod.name, epoch)

@@ -7,8 +7,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from lease_harness import Member, OverlapChecker, balanced, wait_until
+from lease_harness import SUB_PATH, Member, OverlapChecker, balanced, wait_until
 
+from sidecar.leases.layout import lease_path
+from sidecar.store import documents as docs
 from sidecar.store.firestore import FirestoreDocuments
 
 LEASE_MS = 900
@@ -57,12 +59,15 @@ async def test_release_all_hands_over_at_once_to_a_poked_manager(make_member: Me
 
     held = leaving.leases.owned()
     await leaving.leases.release_all(drain)
+    _, released = await leaving.documents.get_versioned([lease_path(SUB_PATH, s) for s in held])
     staying.leases.poke()  # as a Listen on the lease documents would
     await wait_until(lambda: len(staying.leases.owned()) == 8, "the staying pod holds every shard")
     assert leaving.leases.owned() == {} and leaving.leases.stats.lost == 0
-    # Taken from free leases, not after expiry: released (epoch + 1), then taken (epoch + 1).
+    # Taken from free leases, not after expiry: released at a new epoch, then taken at a newer one.
+    freed = {s: released[lease_path(SUB_PATH, s)].fields or {} for s in held}
+    assert all(fields["owner"] == "" and fields["epoch"] > held[s] for s, fields in freed.items())
     epochs = staying.leases.owned()
-    assert all(epochs[shard] == epoch + 2 for shard, epoch in held.items())
+    assert all(epochs[s] > fields["epoch"] for s, fields in freed.items())
     await checker.close()
 
 
@@ -98,3 +103,31 @@ async def test_a_paused_manager_learns_it_lost_its_shards_and_never_holds_one_an
     await wait_until(lambda: balanced(members, 6), "balanced again after the restart")
     assert sorted((s, e) for what, s, e in paused.events[before:] if what == "lost") == sorted(held.items())
     await checker.close()
+
+
+async def test_a_lease_document_deleted_by_hand_is_taken_again_above_every_epoch_it_had(
+    make_member: MemberFactory,
+) -> None:
+    """On Firestore's clock: the re-created document's epoch comes from a read time later than the
+    deletion, which is later than every update time the document had, each no lower than its epoch."""
+    member = make_member("pod-a", 2)
+    await wait_until(lambda: len(member.leases.owned()) == 2, "both held")
+    epoch = member.leases.owned()[0]
+    await member.documents.commit([docs.delete(lease_path(SUB_PATH, 0))])
+    await wait_until(lambda: (member.leases.holds(0) or 0) > epoch, "taken again at a newer epoch")
+    assert ("lost", 0, epoch) in member.events and member.leases.stats.creates == 3
+
+
+async def test_a_corrupt_lease_document_stops_its_shard_only_and_is_never_written(make_member: MemberFactory) -> None:
+    member = make_member("pod-a", 2)
+    await wait_until(lambda: len(member.leases.owned()) == 2, "both held")
+    path = lease_path(SUB_PATH, 1)
+    _, found = await member.documents.get_versioned([path])
+    await member.documents.commit([docs.replace(path, {**(found[path].fields or {}), "v": 2})])
+    _, found = await member.documents.get_versioned([path])
+    await wait_until(lambda: list(member.leases.blocked()) == [1], "shard 1 blocked")
+    renewals = member.leases.stats.renewals
+    await wait_until(lambda: member.leases.stats.renewals >= renewals + 3, "shard 0 renewed meanwhile")
+    assert set(member.leases.owned()) == {0} and path in member.leases.blocked()[1]
+    _, after = await member.documents.get_versioned([path])
+    assert after[path] == found[path]  # same update time: never written

@@ -26,9 +26,16 @@ def test_fair_share_is_floor_and_ceiling() -> None:
     assert fair_share(2, 3) == (0, 1)
 
 
-def test_first_pod_creates_every_lease_at_epoch_one() -> None:
-    writes = plan([free(s) for s in range(4)], "a", {}, LEASE_MS).writes
-    assert [(w.action, w.owner, w.epoch, w.update_time_us) for w in writes] == [(Action.ACQUIRE, "a", 1, None)] * 4
+def test_first_pod_creates_every_lease_free_at_the_read_time_then_takes_them_at_a_later_epoch() -> None:
+    """Nobody holds a create's epoch: a create planned before a deletion may apply after it."""
+    read_us = 1_700_000_000_000_000
+    writes = plan([LeaseView(s, False, read_us=read_us) for s in range(4)], "a", {}, LEASE_MS).writes
+    assert [(w.action, w.owner, w.epoch, w.update_time_us) for w in writes] == [(Action.CREATE, "", read_us, None)] * 4
+    created = [LeaseView(s, True, "", read_us, 0, LEASE_MS, "", True, read_us + s, read_us + 9) for s in range(4)]
+    writes = plan(created, "a", {}, LEASE_MS).writes
+    assert [(w.action, w.owner, w.epoch, w.update_time_us) for w in writes] == [
+        (Action.ACQUIRE, "a", read_us + 9, read_us + s) for s in range(4)
+    ]
 
 
 def test_renewal_bumps_beat_keeps_epoch_and_clears_an_ask_it_does_not_grant() -> None:
@@ -108,3 +115,32 @@ def test_requesters_count_as_live_pods_only_on_unexpired_leases() -> None:
     assert plan(views, "a", {1: 1}, LEASE_MS).pods == 1
     views = [owned(0, "a", wanted_by="b"), owned(1, "a")]
     assert plan(views, "a", {0: 1, 1: 1}, LEASE_MS).pods == 2
+
+
+def test_every_change_of_owner_is_at_an_epoch_no_lower_than_the_read_time() -> None:
+    """A missing document (first use, or deleted by hand) is created at the read's time; an existing
+    one moves to the read time too when its epoch is below it (rewritten by hand with a low epoch)."""
+    read_us = 1_700_000_000_000_000
+    views = [
+        LeaseView(0, False, read_us=read_us),
+        LeaseView(1, True, "", 4, 5, LEASE_MS, "", False, read_us - 10, read_us),
+        LeaseView(2, True, "", read_us + 7, 5, LEASE_MS, "", False, read_us - 10, read_us),
+    ]
+    assert actions(views, "a", {}) == {
+        0: (Action.CREATE, "", read_us, ""),
+        1: (Action.ACQUIRE, "a", read_us, ""),
+        2: (Action.ACQUIRE, "a", read_us + 8, ""),
+    }
+    held = [LeaseView(0, True, "a", 4, 5, LEASE_MS, "b", False, read_us - 10, read_us), owned(1, "a")]
+    assert actions(held, "a", {0: 4, 1: 1})[0] == (Action.HAND_OVER, "b", read_us, "")
+
+
+def test_a_bad_document_is_never_written_a_held_one_is_lost_and_neither_counts_in_the_share() -> None:
+    bad = LeaseView(1, True, problem="lease document l/0001: field 'epoch' is int -1, not a non-negative integer")
+    views = [owned(0, "a"), bad, owned(2, ""), owned(3, "b")]
+    decided = plan(views, "a", {0: 1, 1: 1}, LEASE_MS)
+    assert decided.lost == {1}
+    # Three readable shards over two pods: a may hold two, so it renews 0 and takes 2; shard 1 is left alone.
+    assert {w.shard: w.action for w in decided.writes} == {0: Action.RENEW, 2: Action.ACQUIRE}
+    for mode in Mode:
+        assert all(w.shard != 1 for w in plan(views, "a", {1: 1}, LEASE_MS, mode).writes)

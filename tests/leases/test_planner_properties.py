@@ -1,9 +1,14 @@
 """Pods joining, leaving, dying and pausing, in random interleavings, against one model of the leases.
 
+Now and then an operator deletes a lease document, writes a corrupt one (ill-typed, negative, a newer
+layout, another S) or repairs one with an old epoch.
+
 Invariants, checked after every step: no two pods believe they hold one shard at one instant (each
-on its own clock, with the 0.8 safety margin), epochs never go down (``Database.apply``). When the
-changes stop: within a bounded number of rounds every shard is held by a live pod and every live
-pod holds floor(S/P) or ceil(S/P).
+on its own clock, with the 0.8 safety margin; after a change by hand, two may for a moment, at
+different epochs); every change of owner writes an epoch above every epoch the shard ever had, even
+across deletion and corruption, and a bad document is never written (``Database.apply``). When the
+changes stop: within a bounded number of rounds every shard whose document is not bad is held by a
+live pod, and every live pod holds floor(S'/P) or ceil(S'/P) of those S' shards.
 """
 
 from __future__ import annotations
@@ -20,8 +25,18 @@ SETTLE_ROUNDS = 12
 changes stop: a dead pod's leases expire within 3 rounds (4 after an ask); taking them, and the
 asks, hand-overs and takes of balancing, need a few more."""
 
-_ACTIONS = ["step"] * 8 + ["round"] * 3 + ["advance"] * 4 + ["join"] * 2 + ["kill", "leave", "pause"]
-"""Weights: mostly pods working and time passing; now and then a change of membership."""
+_ACTIONS = ["step"] * 16 + ["round"] * 6 + ["advance"] * 8 + ["join"] * 4 + ["kill", "leave", "pause"] * 2
+_ACTIONS += ["delete", "corrupt", "repair"]
+"""Weights: mostly pods working and time passing; now and then a change of membership, and rarely
+an operator's hand on a lease document."""
+
+_CORRUPTIONS: list[dict[str, object]] = [
+    {"epoch": "7"},
+    {"epoch": -1},
+    {"owner": None},
+    {"v": 2},
+    {"shards": 99},
+]
 
 
 class Cluster:
@@ -52,7 +67,7 @@ class Cluster:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), shard_count=st.integers(1, 12))
-def test_leases_stay_exclusive_and_settle_balanced(data: st.DataObject, shard_count: int) -> None:
+def test_leases_stay_exclusive_epochs_never_repeat_and_settle_balanced(data: st.DataObject, shard_count: int) -> None:
     cluster = Cluster(shard_count)
     db = cluster.db
     for _ in range(data.draw(st.integers(0, 120), label="actions")):
@@ -93,6 +108,12 @@ def test_leases_stay_exclusive_and_settle_balanced(data: st.DataObject, shard_co
                 if pod in cluster.pods and pod.phase is not Phase.APPLIED:
                     cluster.step(pod)
             db.now_ms += data.draw(st.integers(LEASE_MS // 2, 2 * LEASE_MS))
+        elif action == "delete":
+            db.delete_by_hand(data.draw(st.integers(0, shard_count - 1)))
+        elif action == "corrupt":
+            db.corrupt_by_hand(data.draw(st.integers(0, shard_count - 1)), data.draw(st.sampled_from(_CORRUPTIONS)))
+        elif action == "repair":
+            db.repair_by_hand(data.draw(st.integers(0, shard_count - 1)), data.draw(st.sampled_from([0.0, 0.5, 1.0])))
         cluster.check()
 
     # Changes stop: pods finish what they were doing; leaving pods leave.
@@ -108,11 +129,14 @@ def test_leases_stay_exclusive_and_settle_balanced(data: st.DataObject, shard_co
             cluster.check()
         db.now_ms += LEASE_MS // 3
     holders = {shard: pod.name for pod in live for shard in pod.believes(db.now_ms)}
-    assert sorted(holders) == list(range(shard_count)), (
-        f"after {SETTLE_ROUNDS} rounds shards {sorted(set(range(shard_count)) - set(holders))} "
+    usable = [shard for shard in range(shard_count) if not db.is_bad(shard)]
+    assert sorted(holders) == usable, (
+        f"after {SETTLE_ROUNDS} rounds shards {sorted(set(usable) - set(holders))} "
         f"have no live holder; leases: {db.docs}"
     )
-    base, ceiling = fair_share(shard_count, len(live))
+    if not usable:
+        return
+    base, ceiling = fair_share(len(usable), len(live))
     counts = {pod.name: len(pod.believes(db.now_ms)) for pod in live}
     assert all(base <= count <= ceiling for count in counts.values()), (
         f"unbalanced after {SETTLE_ROUNDS} rounds: {counts} (share {base}..{ceiling})"
