@@ -11,7 +11,10 @@ Invariants kept for every key (G2/G3/G5, checked by the property tests in tests/
    gap, the watermark, a backoff or a dead letter in progress. Late messages are the one exception
    and are flagged ``late``.
 2. After a nack or an expiry the nacked message and every later one of its key still in flight go
-   back and are handed out again in order; acks already given (``ACKING``) are never undone.
+   back and are handed out again in order; acks already given (``ACKING``) are never undone, and
+   what the key passed stays passed (sequence mode: a skipped sequence is not waited for or skipped
+   again, and arriving later it is late; a finished late message leaves no gap, and a copy of it
+   is a duplicate).
 3. An acked message is never handed out again: it keeps its slot while acking, is not returned by
    expiry or a consumer close, and the cursor passes it once durable.
 4. Nothing is lost: every message given to ``on_stored`` is either dropped as a duplicate (returned

@@ -7,17 +7,25 @@ Rules (DESIGN §4):
   adopted one that arrive later are treated as *late* (``on_late``), never dropped silently: with
   shuffled input the first arrival is not necessarily the lowest, and the late rule makes that
   visible. A store cursor, once written, wins over adoption.
-- ``seq`` below the next sequence to hand out: a duplicate (DropDuplicate) if this engine saw it
-  finish (its record expired and was created again: it is never delivered again, G3); late if a
-  gap skip passed over it, or if it lies below the adopted first sequence; dead-lettered as
-  ``below_cursor`` if it lies below the cursor the engine was restored with (acked or skipped
-  before the restart: the engine cannot tell, so it neither delivers it, G3, nor drops it, G1).
+- ``seq`` the key has passed (below ``run_end``, holding nothing there): a duplicate
+  (DropDuplicate) if this engine saw it finish (its record expired and was created again: it is
+  never delivered again, G3); late if a gap skip passed over it, or if it lies below the adopted
+  first sequence; dead-lettered as ``below_cursor`` if it lies below the cursor the engine was
+  restored with (acked or skipped before the restart: the engine cannot tell, so it neither
+  delivers it, G3, nor drops it, G1).
 - ``seq`` equal to a sequence the key still holds: the same fingerprint is a duplicate, another fingerprint a conflict
   (DeadLetter "conflict"; the original stays).
 - Stored sequences form a *run* from ``next_out``: the run is releasable in order; anything beyond
   it is held with the reason "missing sequence N" where N is the first missing one.
 - A gap timeout with ``skip`` moves ``next_out`` to the lowest held sequence; that message carries
   the skipped range. The cursor written to the store moves only when it is acked.
+- A nack's (or an expiry's, or a close's) rewind moves ``next_out`` back to the lowest message
+  given back, never ``run_end``: what the key passed stays passed. Every position from the rewind
+  up to ``run_end`` is held, in flight, acking, finished, or passed over (skipped, or late: such a
+  message is handed out from the late queue, and once finished it leaves nothing behind). The
+  rewound run walks over all of them, so a skipped range is neither waited for nor skipped again,
+  a sequence skipped before the rewind that arrives after it is late (never in order after the
+  message that reported it skipped, G2), and a copy of a finished late one is a duplicate (G3).
 - A replay (``Message.replay_id``) keeps its original's sequence. At the sequence its key is
   blocked at, it takes the dead letter's place (``resume_at``); at a
   sequence the key has not reached and holds nothing at, it is an ordinary arrival; at a sequence
@@ -26,8 +34,9 @@ Rules (DESIGN §4):
   placeholder); at a sequence the key holds another message for, it is behind too: that message
   has the place (a replay is never dropped for another message: the operator asked for it).
 
-Complexity: arrival O(log b) (heap push, b = the key's backlog), hand-out O(log b); extending the
-run after a gap fills walks each message once.
+Complexity: arrival O(log b) (heap push, b = the key's backlog), hand-out O(log b) (the next in
+order is the heap's head, or the run's end), a rewind O(log b) per message given back; extending
+the run after a gap fills walks each message once.
 """
 
 from __future__ import annotations

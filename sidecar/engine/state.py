@@ -148,7 +148,9 @@ class KeyState:
         self.next_out: int = 0
         """sequence: the next sequence to hand out (>= cursor)."""
         self.run_end: int = 0
-        """sequence: one past the contiguous run of stored sequences starting at ``next_out``."""
+        """sequence: one past the run from ``next_out``, where the key's order has reached: every
+        position below it is held, in flight, acking, finished or passed over (skipped, or late and
+        finished). A rewind moves ``next_out`` back, never this."""
         self.released: object = None
         """watermark: highest position ever handed out (or the restored cursor): behind it is late."""
         self.known_from: int = 0
