@@ -48,7 +48,7 @@ from sidecar.ingest import Ingestor
 from sidecar.leases.manager import ShardLeases
 from sidecar.listening import ListenError, ensure_tcp_port_free
 from sidecar.logs import setup_logging
-from sidecar.observability import HttpEndpoint, Metrics, Readiness, SubscriptionMetrics
+from sidecar.observability import HttpEndpoint, Metrics, NotReady, Readiness, SubscriptionMetrics
 from sidecar.ownership import ShardOwnership
 from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store import documents as docs
@@ -231,9 +231,14 @@ class Sidecar:
                     _listen_leases, store.documents, leases, f"{config.firestore.root}/{sub.name}", sub.name
                 ),
             )
-        grpc_server = GrpcServer({name: s.runtime for name, s in subs.items()}, config.listen)
+        grpc_server = GrpcServer(
+            {name: s.runtime for name, s in subs.items()},
+            config.listen,
+            pull_failures={name: s.ingestor.pull_health.problem for name, s in subs.items()},
+        )
         checks: dict[str, Callable[[], Awaitable[None]]] = {"firestore": store.ping}
         checks.update({f"pubsub:{name}": _pubsub_check(s.ingestor) for name, s in subs.items()})
+        checks.update({f"streaming_pull:{name}": _pull_check(s.ingestor) for name, s in subs.items()})
         readiness = Readiness(checks)
         self.metrics.add_collector(lambda: _metrics_snapshot(subs.values()))
         http = HttpEndpoint(config.http, self.metrics, readiness, functools.partial(_stuck, subs))
@@ -441,6 +446,18 @@ def _pubsub_check(ingestor: Ingestor) -> Callable[[], Awaitable[None]]:
     return check
 
 
+def _pull_check(ingestor: Ingestor) -> Callable[[], Awaitable[None]]:
+    """Ready only while Pub/Sub delivers to this pod: the client retries most StreamingPull errors
+    without a word, so a GetSubscription that answers says nothing about them (``PullHealth``)."""
+
+    async def check() -> None:
+        problem = ingestor.pull_health.problem()
+        if problem is not None:
+            raise NotReady(problem)
+
+    return check
+
+
 def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics]:
     now_ms = time.time_ns() // 1_000_000
     snapshots = []
@@ -483,6 +500,8 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
                 lease_renewal_failures=extra.get("lease_renewal_failures", 0),
                 shards_adopted=extra.get("shards_adopted", 0),
                 shards_dropped=extra.get("shards_dropped", 0),
+                streaming_pull_failing=s.ingestor.pull_health.is_failing(),
+                streaming_pull_errors=dict(s.ingestor.pull_health.errors),
             )
         )
     return snapshots

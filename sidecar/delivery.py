@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -186,12 +186,15 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         *,
         default_max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
         max_outstanding_limit: int = MAX_OUTSTANDING_LIMIT,
+        pull_failures: Mapping[str, Callable[[], str | None]] | None = None,
     ) -> None:
         if not 0 < default_max_outstanding <= max_outstanding_limit:
             raise ValueError(
                 f"default_max_outstanding must be in 1..{max_outstanding_limit}, got {default_max_outstanding}"
             )
         self._runtimes = dict(runtimes)
+        self._pull_failures = dict(pull_failures or {})
+        """Subscription name -> why Pub/Sub delivers nothing to it (``PullHealth.problem``), for GetStatus."""
         self._default_max_outstanding = default_max_outstanding
         self._max_outstanding_limit = max_outstanding_limit
         self._streams: set[_Stream] = set()
@@ -430,7 +433,10 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             response = sidecar_pb2.GetStatusResponse()
             for runtime in runtimes:
                 status, keys = runtime.status(max_keys)
-                response.subscriptions.append(_subscription_status(runtime, status, keys, runtime.now_ms()))
+                proto = _subscription_status(runtime, status, keys, runtime.now_ms())
+                pull_failure = self._pull_failures.get(runtime.name)
+                proto.pull_failure = (pull_failure() if pull_failure is not None else None) or ""
+                response.subscriptions.append(proto)
             return response
         except Exception as exc:
             await self._abort(context, exc)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,10 +57,11 @@ class GrpcServer:
         listen: str,
         *,
         servicer: OrderedDeliveryServicer | None = None,
+        pull_failures: Mapping[str, Callable[[], str | None]] | None = None,
     ) -> None:
         self._runtimes = dict(runtimes)
         self._listen = listen
-        self.servicer = servicer or OrderedDeliveryServicer(self._runtimes)
+        self.servicer = servicer or OrderedDeliveryServicer(self._runtimes, pull_failures=pull_failures)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._serving: set[str] = set()

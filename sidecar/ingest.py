@@ -39,15 +39,23 @@ Rules (G1 in DESIGN §1 depends on each of them):
   resume), restarts cost a new stream, and the held messages are exactly what is persisted first on
   resume. ``undelivered`` is re-read every ``pause_poll_seconds`` while paused (the runtime has no
   "acked" event to wait on); pulling resumes once it is back at or under the limit.
-- **Failure is loud.** A streaming pull that ends for good (NOT_FOUND, PERMISSION_DENIED, ...) makes
-  ``run()`` raise ``IngestError`` naming the subscription and the status; transient stream errors
-  are retried by the client itself.
+- **Failure is loud, and reported.** Every StreamingPull attempt is watched (``sidecar.ingest_watch``
+  reports each one's end to ``pull_health``, a ``sidecar.pull_health.PullHealth``): the client
+  retries transient stream errors by itself and silently, and /readyz, GetStatus and the metrics
+  say when they last (10 s). A streaming pull the client closed for good (NOT_FOUND: a deleted
+  subscription, PERMISSION_DENIED, UNAUTHENTICATED, INVALID_ARGUMENT) is logged at ERROR naming the
+  subscription and the status, reported at once, and opened again after a backoff (1 s doubling to
+  30 s, reset once a stream works), so that the pod recovers when the subscription or permission is
+  back; messages held from the closed pull are settled as usual (their acks are lost with it, and
+  Pub/Sub redelivers them: duplicates). Any other end of the pull or of the batching worker (a bug)
+  makes ``run()`` raise ``IngestError``.
 - **Stop.** ``stop()`` takes no new batch, lets persists and dead-letter publishes in progress
   finish within the grace period and acks what they made safe, stops the streaming pull (the client
   sends queued acks before its dispatcher stops), and then nacks everything else it holds with its
   own ModifyAckDeadline calls: nacked on the open stream, they would come straight back to it.
 - Payloads never appear in logs; ids, counts and reasons do. Only this module (with its scheduler,
-  ``sidecar.ingest_scheduler``, which it alone uses) and ``sidecar.deadletter`` import Pub/Sub.
+  ``sidecar.ingest_scheduler``, and its transport, ``sidecar.ingest_watch``, which it alone uses) and
+  ``sidecar.deadletter`` import Pub/Sub.
 
 Known limit: the Python client hands messages that carry a Pub/Sub ``ordering_key`` to the callback
 one per ordering key at a time, until the previous one is acked or nacked. Such keys therefore
@@ -79,6 +87,8 @@ from sidecar.config import SequenceOrdering, SubscriptionConfig
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.ingest_scheduler import LoopScheduler
+from sidecar.ingest_watch import watched_transport
+from sidecar.pull_health import PullHealth
 from sidecar.runtime import SubscriptionRuntime
 from sidecar.store.api import IncomingMessage, PersistOutcome, Store, StoreError, StoreRejected
 
@@ -135,6 +145,14 @@ _STREAM_THREAD_EXIT_SECONDS = 2.0
 """How long ``stop()`` then waits for the client's stream thread to end before closing the client.
 It ends within a second unless it is inside a retried attempt to reopen a failing stream (retries
 sleep up to 60 s): closing the channel under it would make it fail with a traceback."""
+
+_REOPEN_INITIAL_SECONDS = 1.0
+"""First wait before a streaming pull closed for good is opened again (a subscription recreated at
+once, a permission granted back)."""
+
+_REOPEN_MAXIMUM_SECONDS = 30.0
+"""Cap on that wait: a fixed subscription is pulled again within 30 s, and a lasting refusal costs
+two StreamingPull calls a minute."""
 
 _STREAM_THREAD_NAME = "Thread-ConsumeBidirectionalStream"
 """The name google-api-core gives the thread that reads a StreamingPull stream (``bidi.py``)."""
@@ -250,10 +268,14 @@ class Ingestor:
         self._clock = clock if clock is not None else runtime.now_ms
 
         self.counters = IngestCounters()
+        self.pull_health = PullHealth(lambda: self.counters.received)
+        """What the StreamingPull attempts say (readiness, GetStatus, metrics)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pull: StreamingPullFuture | None = None
         self._scheduler: LoopScheduler | None = None
         self._stream_threads: list[threading.Thread] = []
+        self._handoff_runs_before = 0
+        """``handoff_runs`` of the schedulers of earlier pulls (one per ``_subscribe``)."""
         self._pull_done: asyncio.Future[Any] | None = None
         """``_pull`` as an asyncio future; it ends cancelled after our own ``_pull.cancel()``."""
         self._worker: asyncio.Task[None] | None = None
@@ -302,9 +324,11 @@ class Ingestor:
 
     @property
     def is_healthy(self) -> bool:
-        """Pulling and processing: started, not stopping, and neither the stream nor the worker ended."""
+        """Pulling and processing: started, not stopping, neither the stream nor the worker ended, and
+        the StreamingPull attempts do not fail (``pull_health``)."""
         return (
-            self._pull_done is not None
+            not self.pull_health.is_failing()
+            and self._pull_done is not None
             and not self._pull_done.done()
             and self._worker is not None
             and not self._worker.done()
@@ -327,9 +351,24 @@ class Ingestor:
         self._loop = asyncio.get_running_loop()
         if self._subscriber is None:
             # Made here, not at import: it reads PUBSUB_EMULATOR_HOST at construction.
-            self._subscriber = pubsub_v1.SubscriberClient()
+            self._subscriber = pubsub_v1.SubscriberClient(transport=watched_transport(self.pull_health))
         self._worker = asyncio.create_task(self._batch_loop(), name=f"ingest:{self.name}")
+        self._subscribe()
+        _LOGGER.info(
+            "ingest of %s started on %s (max outstanding %d messages, max undelivered %s, max lease extension %s)",
+            self.name,
+            self.subscription_path,
+            self._flow_control.max_messages,
+            self._max_undelivered,
+            _describe_seconds(self._flow_control.max_duration_per_lease_extension),
+        )
+
+    def _subscribe(self) -> None:
+        """Open a streaming pull (at start, and again after one was closed for good)."""
+        assert self._subscriber is not None and self._loop is not None
         threads_before = set(threading.enumerate())
+        if self._scheduler is not None:
+            self._handoff_runs_before += self._scheduler.runs
         self._scheduler = LoopScheduler(self._loop)
         self._pull = self._subscriber.subscribe(
             self.subscription_path,
@@ -345,36 +384,71 @@ class Ingestor:
         )
         # subscribe() starts the stream's reader thread before it returns: the one new thread of that
         # name is ours. stop() closes the client only once that thread ended.
-        self._stream_threads = [
+        self._stream_threads = [t for t in self._stream_threads if t.is_alive()] + [
             t for t in threading.enumerate() if t not in threads_before and t.name == _STREAM_THREAD_NAME
         ]
         self._pull_done = asyncio.wrap_future(self._pull)
-        _LOGGER.info(
-            "ingest of %s started on %s (max outstanding %d messages, max undelivered %s, max lease extension %s)",
-            self.name,
-            self.subscription_path,
-            self._flow_control.max_messages,
-            self._max_undelivered,
-            _describe_seconds(self._flow_control.max_duration_per_lease_extension),
-        )
 
     async def run(self) -> None:
         """Start if needed and wait until ``stop()``; raises ``IngestError`` if pulling ends otherwise."""
         if self._pull is None:
             await self.start()
-        assert self._pull_done is not None and self._worker is not None
-        try:
-            # asyncio.wait never cancels what it waits on: a cancelled run() leaves both to _abort().
-            await asyncio.wait({self._pull_done, self._worker}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            if not self._stopping:
-                self._abort()
-            raise
-        if self._stopping:
-            return
+        while True:
+            assert self._pull_done is not None and self._worker is not None
+            try:
+                # asyncio.wait never cancels what it waits on: a cancelled run() leaves both to _abort().
+                await asyncio.wait({self._pull_done, self._worker}, return_when=asyncio.FIRST_COMPLETED)
+                if self._stopping:
+                    return
+                closed = self._closed_for_good()
+                if closed is None:
+                    break
+                if not await self._reopen_after(closed):
+                    return  # stopped meanwhile
+            except asyncio.CancelledError:
+                if not self._stopping:
+                    self._abort()
+                raise
         failure = self._failure()
         self._abort()
         raise failure
+
+    def _closed_for_good(self) -> api_exceptions.GoogleAPICallError | None:
+        """The Pub/Sub error the client closed the streaming pull with, while the worker runs on;
+        None when something else ended (a bug, or our callback's failure): ``run()`` raises then."""
+        assert self._pull_done is not None and self._worker is not None
+        if self._worker.done() or self._task_failure is not None or not self._pull_done.done():
+            return None
+        if self._pull_done.cancelled():
+            return None
+        exc = self._pull_done.exception()
+        return exc if isinstance(exc, api_exceptions.GoogleAPICallError) else None
+
+    async def _reopen_after(self, error: api_exceptions.GoogleAPICallError) -> bool:
+        """Report the close, wait out the backoff, and pull again; False when ``stop()`` came first
+        (the worker's end also ends the wait: ``run()`` then raises its failure)."""
+        assert self._worker is not None
+        status = error.grpc_status_code
+        code = status.name if status is not None else type(error).__name__
+        delay = backoff_seconds(
+            self.pull_health.consecutive_closes + 1, _REOPEN_INITIAL_SECONDS, _REOPEN_MAXIMUM_SECONDS
+        )
+        self.pull_health.closed(code, error.message or str(error), delay)
+        _LOGGER.error(
+            "streaming pull of %s (subscription %r) was closed by Pub/Sub: %s; nothing is received until it "
+            "works again, /readyz answers 503; opening it again in %.1fs",
+            self.subscription_path,
+            self.name,
+            _describe(error),
+            delay,
+        )
+        # The worker ends only by stop() (which cancels it) or a failure: either ends the wait.
+        await asyncio.wait({self._worker}, timeout=delay)
+        if self._stopping:
+            return False
+        if not self._worker.done():
+            self._subscribe()
+        return True
 
     async def stop(self, grace_seconds: float = _DRAIN_GRACE_SECONDS) -> None:
         """Take no new work, finish what is in progress within ``grace_seconds``, give back the rest.
@@ -463,7 +537,7 @@ class Ingestor:
     @property
     def handoff_runs(self) -> int:
         """Times the loop took received messages from the client's threads (one wake-up each)."""
-        return 0 if self._scheduler is None else self._scheduler.runs
+        return self._handoff_runs_before + (0 if self._scheduler is None else self._scheduler.runs)
 
     @property
     def handoff_buffered(self) -> int:

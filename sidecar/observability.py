@@ -7,8 +7,10 @@ GetStatus. Only the two latency histograms are observed as events happen.
 ``/healthz`` answers 200 while the process serves HTTP and every subscription makes progress
 (liveness): a recovery that has read nothing new for minutes answers 503, so that Kubernetes
 restarts the container rather than waiting on it for ever. ``/readyz`` answers 200
-once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable); checks
-are cached for ``_CHECK_TTL_SECONDS`` so that probes do not hammer the backends.
+once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable, and each
+subscription's StreamingPull working: ``sidecar.pull_health`` says when it has failed for 10 s or
+was closed for good, with the cause); checks are cached for ``_CHECK_TTL_SECONDS`` so that probes do
+not hammer the backends.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class SubscriptionMetrics:
     lease_renewal_failures: int = 0
     shards_adopted: int = 0
     shards_dropped: int = 0
+    streaming_pull_failing: bool = False
+    """Every StreamingPull failed for the bound, or the pull was closed for good (``PullHealth``)."""
+    streaming_pull_errors: Mapping[str, int] = field(default_factory=dict)
+    """Failed StreamingPull attempts by status code name, since the start."""
 
 
 class SidecarCollector(Collector):
@@ -133,6 +139,24 @@ class SidecarCollector(Collector):
             "shards_dropped": "Shards this pod stopped delivering (lost, handed over, or fenced by Firestore).",
         }
         yield from _counter_families(lease_counters, sharded)
+        failing = GaugeMetricFamily(
+            f"{PREFIX}_streaming_pull_failing",
+            "1 while Pub/Sub delivers nothing to this pod: every StreamingPull failed for 10 s or more, or the "
+            "pull was closed for good (the cause: /readyz, GetStatus pull_failure, the errors by code).",
+            labels=["subscription"],
+        )
+        for snap in snapshots:
+            failing.add_metric([snap.subscription], 1 if snap.streaming_pull_failing else 0)
+        yield failing
+        errors = CounterMetricFamily(
+            f"{PREFIX}_streaming_pull_errors",
+            "StreamingPull attempts that failed, by status code (the client retries most without a word).",
+            labels=["subscription", "code"],
+        )
+        for snap in snapshots:
+            for code, count in sorted(snap.streaming_pull_errors.items()):
+                errors.add_metric([snap.subscription, code], count)
+        yield errors
 
 
 def _counter_families(docs: dict[str, str], snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:
@@ -174,6 +198,11 @@ class Metrics:
 
 ReadinessCheck = Callable[[], Awaitable[None]]
 """Raises (anything) when the dependency is not reachable."""
+
+
+class NotReady(Exception):
+    """Raised by a check that explains itself: /readyz shows its text as is."""
+
 
 Liveness = Callable[[], str | None]
 """Returns why the process is stuck, or None while it makes progress."""
@@ -218,6 +247,8 @@ async def _run_check(check: ReadinessCheck) -> str | None:
         await asyncio.wait_for(check(), _CHECK_TIMEOUT_SECONDS)
     except asyncio.CancelledError:
         raise
+    except NotReady as exc:
+        return str(exc)[:300] or "not ready"
     except Exception as exc:  # any failure means "not ready"; say which
         return f"{type(exc).__name__}: {exc}"[:300]
     return None

@@ -133,6 +133,7 @@ def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime) -> 
         "pod": sub.pod,
         "shard_count": sub.shard_count,
         "shards": [{"shard": shard.shard, "epoch": shard.epoch} for shard in sub.shards],
+        "pull_failure": sub.pull_failure or None,
     }
 
 
@@ -203,6 +204,8 @@ def format_table(response: sidecar_pb2.GetStatusResponse, now: datetime, target:
 
 def _subscription_details(sub: dict[str, Any]) -> list[str]:
     lines = [f"{sub['name']}:"]
+    if sub["pull_failure"]:
+        lines.append(f"  PUB/SUB DELIVERS NOTHING: {sub['pull_failure']}")
     if sub["shard_count"]:
         owned = " ".join(f"{s['shard']}@{s['epoch']}" for s in sub["shards"]) or "none"
         lines.append(

@@ -28,6 +28,7 @@ NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 SUBSCRIPTION_FIELDS = [
     "name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age_seconds",
     "watermark", "watermark_lag_seconds", "counts", "keys_detail", "pod", "shard_count", "shards",
+    "pull_failure",
 ]  # fmt: skip
 KEY_FIELDS = [
     "key", "state", "waiting_for", "since", "age_seconds", "buffered", "in_flight", "next_sequence",
@@ -268,3 +269,15 @@ async def test_status_of_a_running_sidecar_shows_the_key_behind_a_gap(sidecar_wi
     assert await fetch_and_render(sidecar_with_a_gap, out=out, err=err) == 0
     gap_row = next(line for line in out.getvalue().splitlines() if line.strip().startswith("a "))
     assert "waiting_sequence" in gap_row and keys["a"]["waiting_for"] in gap_row
+
+
+def test_a_subscription_that_pub_sub_delivers_nothing_to_says_why() -> None:
+    response = sample_response()
+    response.subscriptions[0].pull_failure = "every streaming pull failed for 12s, last with RESOURCE_EXHAUSTED: quota"
+    document = status_to_dict(response, NOW)
+    assert document["subscriptions"][0]["pull_failure"].startswith("every streaming pull failed for 12s")
+    assert document["subscriptions"][1]["pull_failure"] is None
+    text = format_table(response, NOW)
+    line = "  PUB/SUB DELIVERS NOTHING: every streaming pull failed for 12s, last with RESOURCE_EXHAUSTED: quota"
+    assert line in text.splitlines()
+    assert text.count("PUB/SUB DELIVERS NOTHING") == 1

@@ -114,7 +114,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ...) -> None: ...
 
 class SubscriptionStatus(_message.Message):
-    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards")
+    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards", "pull_failure")
     class CountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class SubscriptionStatus(_message.Message):
     POD_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FAILURE_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: str
     buffered: int
@@ -152,7 +153,8 @@ class SubscriptionStatus(_message.Message):
     pod: str
     shard_count: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., pod: _Optional[str] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+    pull_failure: str
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., pod: _Optional[str] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., pull_failure: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard", "epoch")
