@@ -96,6 +96,10 @@ _DEAD_LETTER_PUBLISHES = 32
 """Dead-letter publish calls in flight at once: enough to keep a healthy topic busy, few enough
 that a burst of dead letters does not flood the publisher client."""
 
+_HANDOVER_FLUSH_SECONDS = 1.0
+"""At least this long for a drained shard's last checkpoint before a hand-over, whatever is left of
+the drain timeout."""
+
 RECOVERY_STALL_SECONDS = 120.0
 """A recovery that has read nothing new for this long is stuck: liveness reports it, so that
 Kubernetes restarts the container instead of waiting on it for ever."""
@@ -545,8 +549,10 @@ class SubscriptionRuntime:
         return True
 
     async def drain_shard(self, shard: int, timeout_seconds: float) -> None:
-        """Before a graceful hand-over: hand out nothing more of ``shard``, and wait (up to
-        ``timeout_seconds``) until the app acked what it holds of it and those acks are durable."""
+        """Before a graceful hand-over: hand out nothing more of ``shard``, wait (up to
+        ``timeout_seconds``) until the app acked what it holds of it and those acks are durable,
+        then write the shard's unwritten cursors and checkpoint (``Store.flush(shards=...)``), so
+        that the next owner starts from a current checkpoint rather than folding tombstones."""
         entry = self._engines.get(shard)
         if entry is None:
             return
@@ -568,6 +574,24 @@ class SubscriptionRuntime:
                 await asyncio.wait_for(self._progress.wait(), remaining)
             except TimeoutError:
                 pass
+        if self._engines.get(shard) is not entry:
+            return
+        try:
+            # Bounded like the drain: the tombstones are durable already, so a flush that cannot
+            # finish in time costs the next owner a longer load, never a message.
+            await asyncio.wait_for(
+                self._store.flush(self.name, frozenset({shard})), max(deadline - loop.time(), _HANDOVER_FLUSH_SECONDS)
+            )
+        except ShardLost as exc:
+            self._shard_lost(exc)
+        except (StoreError, TimeoutError) as exc:
+            _LOGGER.warning(
+                "subscription %s: shard %d handed over without its last checkpoint (%s); its next owner "
+                "rebuilds the cursors from the tombstones",
+                self.name,
+                shard,
+                exc or type(exc).__name__,
+            )
 
     def _drained(self, entry: ShardEngine) -> bool:
         status, _ = entry.engine.status(self._clock(), max_keys=0)

@@ -230,3 +230,24 @@ async def test_a_shard_the_background_flush_finds_lost_is_dropped_and_the_lease_
     await _until(lambda: world.lost == [(0, 7)], "the lease manager told of the lost shard")
     assert 0 not in world.runtime.shards()
     assert world.runtime.take("app", 10) == []
+
+
+async def test_a_graceful_hand_over_writes_the_shards_last_checkpoint(make_world: Callable[..., World]) -> None:
+    """Before its lease is handed over, a drained shard's cursors are written whatever the
+    coalescing interval: the next owner starts from them instead of folding tombstones."""
+    world = make_world()
+    key = keys_of_shard(0, 1)[0]
+    await _start(world, 0, 7)
+    await world.store_messages([(key, 1), (key, 2)])
+    for _ in range(2):  # the second ack's cursor waits for the next interval
+        [delivery] = world.runtime.take("app", 10)
+        assert (await world.runtime.ack("app", [delivery.delivery_id])).confirmed == [delivery.delivery_id]
+    checkpoint = layout.checkpoint_path(f"{ROOT}/{SUB}", 0)
+
+    def written_next() -> object:
+        overlay = world.documents.docs[checkpoint][layout.OVERLAY]
+        return overlay[layout.key_doc_id(key)]["next_seq"]
+
+    assert written_next() == 2
+    await world.runtime.drain_shard(0, 2.0)
+    assert written_next() == 3
