@@ -76,3 +76,22 @@ async def test_retryable_stream_failures_are_reported_once_they_last_and_cleared
     await h.publish_order("A", 2)
     await wait_until(lambda: h.counters.acked == 2, "the next message acked once the quota is back")
     await wait_until(lambda: not _problem(h), "the report cleared")
+
+
+async def test_a_permission_denied_stream_is_reported_at_once_and_pulled_again_once_granted(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness().start()
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.acked == 1, "the first message acked")
+
+    # The role is revoked: open streams end with PERMISSION_DENIED and new ones are refused.
+    await h.admin.add_fault(method="StreamingPull", code="PERMISSION_DENIED")
+    await h.admin.break_streams("PERMISSION_DENIED")
+    await wait_until(lambda: "closed by PERMISSION_DENIED" in _problem(h), "the close reported")
+    assert h.run_task is not None and not h.run_task.done()
+
+    await h.admin.clear_faults()  # granted back
+    await h.publish_order("A", 2)
+    await wait_until(lambda: h.counters.acked == 2, "the next message acked once the role is back")
+    await wait_until(lambda: not _problem(h), "the report cleared")
