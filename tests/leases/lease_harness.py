@@ -1,10 +1,12 @@
 """Managers under test: one ``ShardLeases`` per member with its callbacks recorded, a checker that
-no two members hold one shard at one instant, and polling with deadlines."""
+no two members hold one shard at one instant, a clock that moves only when a test moves it, and
+polling with deadlines."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -91,6 +93,43 @@ class OverlapChecker:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         assert not self.overlaps, self.overlaps[:5]
+
+
+class FakeTime:
+    """One clock for the database (``MemoryDocuments(clock_us=...)``) and every member's monotonic
+    clock. It moves only when the test moves it, so a busy machine that delays rounds never runs a
+    lease or a margin out: only ``pass_time`` does, in steps the live members renew across."""
+
+    def __init__(self, start_ms: int = 1_000_000) -> None:
+        self.now_ms = start_ms
+
+    def monotonic_ms(self) -> int:
+        return self.now_ms
+
+    def clock_us(self) -> int:
+        return self.now_ms * 1000
+
+
+async def pass_time(clock: FakeTime, live: list[Member], ms: int, lease_ms: int) -> None:
+    """Move ``clock`` on by ``ms`` in steps of a quarter lease; after each step, wait until every
+    member of ``live`` has run a whole round (its renewals are then sent at the new time, so its
+    0.8-lease margin outlasts the next step however late the round came). Members not in ``live``
+    (stopped: killed or paused) renew nothing and run out."""
+    step = max(1, lease_ms // 4)
+    while ms > 0:
+        clock.now_ms += min(step, ms)
+        ms -= step
+        targets = [(member, member.leases.stats.rounds + 2) for member in live]
+        for member in live:
+            member.leases.poke()
+        await wait_until(
+            functools.partial(_reached, targets), "a whole round of every live member after the clock moved"
+        )
+
+
+def _reached(targets: list[tuple[Member, int]]) -> bool:
+    """Every member has started its round number ``target`` (so the one before it is over)."""
+    return all(member.leases.stats.rounds >= target for member, target in targets)
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, timeout_seconds: float = 20.0) -> float:

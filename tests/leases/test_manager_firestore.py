@@ -1,5 +1,10 @@
 """ShardLeases over FirestoreDocuments against our Firestore emulator (official client, real gRPC):
-several managers in one process, each with its own client, as separate pods would have."""
+several managers in one process, each with its own client, as separate pods would have.
+
+The emulator keeps the wall clock, so a round the machine delays past the margin really loses its
+shard here: every assertion holds whether or not that happened (waits are polls with deadlines;
+what must never happen, two holders at once or an epoch going back, is checked all along). The
+exact counts live in the MemoryDocuments tests, on a clock that moves only when they move it."""
 
 from __future__ import annotations
 
@@ -62,12 +67,13 @@ async def test_release_all_hands_over_at_once_to_a_poked_manager(make_member: Me
     _, released = await leaving.documents.get_versioned([lease_path(SUB_PATH, s) for s in held])
     staying.leases.poke()  # as a Listen on the lease documents would
     await wait_until(lambda: len(staying.leases.owned()) == 8, "the staying pod holds every shard")
-    assert leaving.leases.owned() == {} and leaving.leases.stats.lost == 0
-    # Taken from free leases, not after expiry: released at a new epoch, then taken at a newer one.
-    freed = {s: released[lease_path(SUB_PATH, s)].fields or {} for s in held}
-    assert all(fields["owner"] == "" and fields["epoch"] > held[s] for s, fields in freed.items())
+    assert leaving.leases.owned() == {}
+    # Released at a new epoch (or, had a delayed round run a margin out, already taken by the
+    # other pod), then taken at a newer one; the leaving pod's name is on none of them.
+    moved = {s: released[lease_path(SUB_PATH, s)].fields or {} for s in held}
+    assert all(fields["owner"] in ("", "pod-b") and fields["epoch"] > held[s] for s, fields in moved.items())
     epochs = staying.leases.owned()
-    assert all(epochs[s] > fields["epoch"] for s, fields in freed.items())
+    assert all(epochs[s] >= fields["epoch"] > held[s] for s, fields in moved.items())
     await checker.close()
 
 
@@ -101,7 +107,9 @@ async def test_a_paused_manager_learns_it_lost_its_shards_and_never_holds_one_an
     assert paused.leases.owned() == {}
     paused.start()
     await wait_until(lambda: balanced(members, 6), "balanced again after the restart")
-    assert sorted((s, e) for what, s, e in paused.events[before:] if what == "lost") == sorted(held.items())
+    # Each shard it held is lost once at the epoch it held (later takes may be lost too, at theirs).
+    lost = [(s, e) for what, s, e in paused.events[before:] if what == "lost"]
+    assert all(lost.count(item) == 1 for item in held.items())
     await checker.close()
 
 
@@ -128,6 +136,6 @@ async def test_a_corrupt_lease_document_stops_its_shard_only_and_is_never_writte
     await wait_until(lambda: list(member.leases.blocked()) == [1], "shard 1 blocked")
     renewals = member.leases.stats.renewals
     await wait_until(lambda: member.leases.stats.renewals >= renewals + 3, "shard 0 renewed meanwhile")
-    assert set(member.leases.owned()) == {0} and path in member.leases.blocked()[1]
+    assert 1 not in member.leases.owned() and path in member.leases.blocked()[1]
     _, after = await member.documents.get_versioned([path])
     assert after[path] == found[path]  # same update time: never written
