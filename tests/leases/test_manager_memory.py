@@ -418,7 +418,7 @@ async def test_a_wall_clock_minutes_off_changes_nothing_because_nothing_reads_it
 ) -> None:
     """The database keeps its own clock; the pods' wall clock is 7 minutes ahead and must stay unread."""
     real_time_ns = time.time_ns
-    documents = MemoryDocuments(clock_us=lambda: real_time_ns() // 1000)
+    clock, documents = _frozen()
     readers: list[str] = []
     off_ns = 7 * 60 * 10**9
 
@@ -432,13 +432,14 @@ async def test_a_wall_clock_minutes_off_changes_nothing_because_nothing_reads_it
 
     monkeypatch.setattr(time, "time", far_off_time)
     monkeypatch.setattr(time, "time_ns", far_off_time_ns)
-    members = [Member(documents, f"pod-{i}", SHARDS, lease_ms=LEASE_MS) for i in range(2)]
+    members = [_member(documents, clock, f"pod-{i}") for i in range(2)]
     checker = OverlapChecker(members, SHARDS)
     for member in members:
         member.start()
     try:
         await wait_until(lambda: balanced(members, SHARDS), "2 pods balanced")
         await members[0].stop()
+        await pass_time(clock, members[1:], LEASE_MS + LEASE_MS // 4, LEASE_MS)
         await wait_until(lambda: len(members[1].leases.owned()) == SHARDS, "failover after the lease")
     finally:
         for member in members:
