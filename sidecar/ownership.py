@@ -3,12 +3,17 @@
 ``sidecar.leases`` decides which shards this pod owns; this module carries each decision out:
 
 - **Gained** (``on_gained``, awaited before the lease counts as held for delivery): a Listen on the
-  shard's inbox (messages other pods stored for it) starts first, and its first snapshot is only
-  waited for (bounded by ``_FIRST_SNAPSHOT_SECONDS``), not handed over; then the runtime loads the
-  shard from the store (a handover is a recovery), whose read is later than that snapshot and so
-  holds everything in it. Later inbox changes feed the runtime as ingest does; those that arrive
-  during the load are kept and handed over after it. A message both loaded and listened (stored
-  during the load) is dropped by the engine as a duplicate of what it holds.
+  shard's inbox (messages other pods stored for it) starts first, and its first snapshot is waited
+  for (at most ``first_snapshot_seconds``); then the runtime loads the shard from the store (a
+  handover is a recovery). **A first snapshot is left out only if it arrived before the load began
+  to read** (the load's reads are later, so they hold everything in it); one that comes later, or
+  the first of a Listen started again, is handed over whole: it may hold messages other pods
+  committed after the load's page reads, which are in nothing else (a sequence key would wait for
+  them for good). Every other inbox change feeds the runtime as ingest does; those that arrive
+  while the shard's state is read are kept and handed over once its engine exists. A record both
+  loaded by a page and handed over, in either order, reaches the engine once while the shard
+  loads (``ShardEngine.admit``); a copy handed over after the load is dropped by the engine as a
+  duplicate of what it holds.
 - **Lost** (``on_lost``: a failed renewal, another owner seen, the local deadline passed, or the
   store refusing a fenced write): the runtime drops the shard at once and its Listen closes.
 - **Handing over** (``before_release``: balancing, or SIGTERM through ``release_all``): the runtime
@@ -17,8 +22,10 @@
 - A Listen on the subscription's lease documents pokes the lease manager, so a released or
   requested shard is seen within one round trip rather than at the next renewal round.
 
-A Listen that fails is restarted after a capped, jittered backoff (``sidecar.backoff``); meanwhile the
-shard's keys still deliver everything this pod ingests itself, and others' intake waits in Firestore.
+A Listen that fails (or cannot start) is closed and started again after a capped, jittered backoff
+(``sidecar.backoff``); meanwhile the shard's keys still deliver everything this pod ingests itself,
+and others' intake waits in Firestore. The new Listen's first snapshot is handed over (the load has
+read already), so what was committed between the old Listen's last snapshot and it is not lost.
 """
 
 from __future__ import annotations
@@ -32,13 +39,13 @@ from sidecar.backoff import backoff_seconds
 from sidecar.engine.types import Message
 from sidecar.runtime import SubscriptionRuntime
 from sidecar.store.api import StoreError
-from sidecar.store.documents import Listening
+from sidecar.store.inbox import InboxListening
 
 _LOGGER = logging.getLogger(__name__)
 
-_FIRST_SNAPSHOT_SECONDS = 10.0
+FIRST_SNAPSHOT_SECONDS = 10.0
 """How long a gained shard's load waits for its inbox Listen's first snapshot. Past it the load goes
-ahead; the Listen, restarted or late, then hands over its whole first snapshot instead."""
+ahead; the Listen, late or restarted, then hands over its whole first snapshot when it comes."""
 
 _LISTEN_RETRY_INITIAL_SECONDS = 0.2
 _LISTEN_RETRY_MAXIMUM_SECONDS = 10.0
@@ -56,21 +63,31 @@ class InboxSource(Protocol):
         *,
         skip_initial: bool = False,
         on_initial: Callable[[], None] | None = None,
-    ) -> Listening: ...
+    ) -> InboxListening: ...
 
 
 class ShardOwnership:
     """Carries out one subscription's lease decisions on its runtime and store."""
 
-    def __init__(self, runtime: SubscriptionRuntime, inbox: InboxSource, *, drain_timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        runtime: SubscriptionRuntime,
+        inbox: InboxSource,
+        *,
+        drain_timeout_seconds: float,
+        first_snapshot_seconds: float = FIRST_SNAPSHOT_SECONDS,
+    ) -> None:
         self._runtime = runtime
         self._inbox = inbox
         self._drain_timeout = drain_timeout_seconds
-        self._listens: dict[int, Listening] = {}
+        self._first_snapshot_seconds = first_snapshot_seconds
+        self._listens: dict[int, InboxListening] = {}
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._loading: dict[int, list[Message]] = {}
-        """Shards being loaded: inbox messages that arrived meanwhile, handed over after the load."""
+        """Shards being gained: inbox messages that arrived meanwhile, handed over once the engine exists."""
+        self._before_load: dict[int, asyncio.Event] = {}
+        """Shards gained whose load has not begun to read: set when a first inbox snapshot arrived."""
         self.listen_failures = 0
         self.inbox_messages = 0
 
@@ -80,23 +97,32 @@ class ShardOwnership:
         first_snapshot = asyncio.Event()
         early: list[Message] = []
         self._loading[shard] = early
+        self._before_load[shard] = first_snapshot
         try:
-            self._start_listen(shard, epoch, attempt=0, skip_initial=True, on_initial=first_snapshot.set)
+            self._start_listen(shard, epoch, attempt=0)
             try:
-                await asyncio.wait_for(first_snapshot.wait(), _FIRST_SNAPSHOT_SECONDS)
+                await asyncio.wait_for(first_snapshot.wait(), self._first_snapshot_seconds)
             except TimeoutError:
                 _LOGGER.warning(
-                    "subscription %s: shard %d's inbox Listen gave no snapshot within %.0fs; loading anyway",
+                    "subscription %s: shard %d's inbox Listen gave no snapshot within %.1fs; loading anyway,"
+                    " its first snapshot is handed over when it comes",
                     self._runtime.name,
                     shard,
-                    _FIRST_SNAPSHOT_SECONDS,
+                    self._first_snapshot_seconds,
                 )
+            # The load reads from here on: a first snapshot arriving later may hold messages committed
+            # after those reads, so it is handed over instead of left out.
+            del self._before_load[shard]
+            listening = self._listens.get(shard)
+            if listening is not None:
+                listening.skip_initial = False
             await self._runtime.adopt_shard(shard, epoch)
         except BaseException:
             self._stop_listen(shard)
             raise
         finally:
             self._loading.pop(shard, None)
+            self._before_load.pop(shard, None)
         if early:
             self._runtime.on_stored(early)
 
@@ -122,18 +148,11 @@ class ShardOwnership:
 
     # ---- inbox listens -----------------------------------------------------------------------
 
-    def _start_listen(
-        self,
-        shard: int,
-        epoch: int,
-        attempt: int,
-        *,
-        skip_initial: bool = False,
-        on_initial: Callable[[], None] | None = None,
-    ) -> None:
+    def _start_listen(self, shard: int, epoch: int, attempt: int) -> None:
         self._stop_listen(shard)
         if shard not in self._loading and self._runtime.shards().get(shard) != epoch:
             return  # lost (or re-gained at another epoch) meanwhile
+        listening: InboxListening | None = None
 
         def on_messages(messages: list[Message]) -> None:
             self.inbox_messages += len(messages)
@@ -143,20 +162,42 @@ class ShardOwnership:
             elif self._runtime.shards().get(shard) == epoch:
                 self._runtime.on_stored(messages)
 
+        def on_initial() -> None:
+            waiting = self._before_load.get(shard)
+            if waiting is not None:
+                waiting.set()
+
         def on_error(error: StoreError) -> None:
-            self.listen_failures += 1
-            _LOGGER.warning(
-                "subscription %s: inbox listen of shard %d failed (%s); restarting it",
+            if listening is None or self._listens.get(shard) is not listening:
+                return  # a Listen stopped or replaced already
+            self._failed(shard, epoch, attempt, error)
+
+        try:
+            listening = self._inbox.listen_inbox(
                 self._runtime.name,
                 shard,
-                error,
+                on_messages,
+                on_error,
+                # Only a first snapshot that arrives before the load reads may be left out.
+                skip_initial=shard in self._before_load,
+                on_initial=on_initial,
             )
-            self._listens.pop(shard, None)
-            self._restarts[shard] = asyncio.ensure_future(self._restart_later(shard, epoch, attempt + 1))
+        except StoreError as exc:
+            self._failed(shard, epoch, attempt, exc)
+            return
+        self._listens[shard] = listening
 
-        self._listens[shard] = self._inbox.listen_inbox(
-            self._runtime.name, shard, on_messages, on_error, skip_initial=skip_initial, on_initial=on_initial
+    def _failed(self, shard: int, epoch: int, attempt: int, error: StoreError) -> None:
+        """Close the shard's Listen (a failed read leaves its stream open) and start one later."""
+        self.listen_failures += 1
+        _LOGGER.warning(
+            "subscription %s: inbox listen of shard %d failed (%s); restarting it",
+            self._runtime.name,
+            shard,
+            error,
         )
+        self._stop_listen(shard)
+        self._restarts[shard] = asyncio.ensure_future(self._restart_later(shard, epoch, attempt + 1))
 
     async def _restart_later(self, shard: int, epoch: int, attempt: int) -> None:
         await asyncio.sleep(backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS))

@@ -7,12 +7,20 @@ never, since the owner's tombstone (a whole-document replace) drops ``inbox`` an
 out of the result. Chunked payloads are read like recovery reads them.
 
 Only ``upserts`` matter: a removal is the owner's own tombstone (or a TTL delete) and says nothing
-new. ``skip_initial``: the first snapshot (the whole inbox at that instant) is not handed over, only
-reported through ``on_initial``; the owner starts the Listen, waits for that, and then loads the
-shard, whose read is later and so holds all of it. Without it, every inbox message would reach the
-engine twice after a takeover (once loaded, once listened), and count as a duplicate. A snapshot
-may be older than the owner's own writes (a Listen lags a little); the runtime deals with a copy
-it already finished (``SubscriptionRuntime._finished_elsewhere``).
+new. The first snapshot (the whole inbox at that instant) is reported through ``on_initial`` and
+handed over like any change, unless ``InboxListening.skip_initial`` holds **when it arrives**: the
+owner starts the Listen, waits a bounded time for that snapshot, clears ``skip_initial`` and only
+then loads the shard. A snapshot that arrived before was read before the load's reads, which hold
+all of it (leaving it out spares the engine a duplicate of every inbox message); one that arrives
+later (a late first snapshot: a large inbox, a slow stream) may hold messages committed after the
+load's page reads, which nothing else would hand over, so it is handed over whole, and the runtime
+admits a record once (``ShardEngine.admit``). A snapshot may be older than the owner's own writes
+(a Listen lags a little); the runtime deals with a copy it already finished
+(``SubscriptionRuntime._finished_elsewhere``).
+
+A corrupt document is left out alone (logged; the next recovery refuses it): the others of its
+snapshot are still handed over. A read that fails (a chunk read) ends the Listen through
+``on_error``; the owner starts a new one, whose first snapshot, handed over, holds what was lost.
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ _LOGGER = logging.getLogger(__name__)
 class InboxListening:
     """A running inbox Listen; ``close`` stops it and whatever decoding is still in progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip_initial: bool) -> None:
         self.listening: docs.Listening | None = None
         self.decoding: set[asyncio.Task[None]] = set()
         self.closed = False
+        self.skip_initial = skip_initial
+        """Leave the first snapshot out if it arrives while this holds (the owner clears it when it
+        starts loading the shard)."""
 
     async def close(self) -> None:
         self.closed = True
@@ -60,14 +71,26 @@ def listen_inbox(
     on_initial: Callable[[], None] | None = None,
 ) -> InboxListening:
     """Start listening on ``shard``'s inbox under ``sub_path``; ``on_messages`` gets each batch, decoded."""
-    handle = InboxListening()
+    handle = InboxListening(skip_initial)
+
+    async def decode_each(found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
+        """One by one, after a batch failed on a corrupt document: every other one is handed over."""
+        messages: list[Message] = []
+        for one in found:
+            try:
+                messages.extend(await reader.decode_pending(sub_path, [one]))
+            except layout.CorruptDocument as exc:
+                _LOGGER.error(
+                    "inbox of shard %d under %s: %s (left for the next recovery to refuse)", shard, sub_path, exc
+                )
+        return messages
 
     async def decode(found: list[tuple[str, dict[str, Any]]]) -> None:
         try:
-            messages = await reader.decode_pending(sub_path, found)
-        except layout.CorruptDocument as exc:
-            _LOGGER.error("inbox of shard %d under %s: %s (left for the next recovery to refuse)", shard, sub_path, exc)
-            return
+            try:
+                messages = await reader.decode_pending(sub_path, found)
+            except layout.CorruptDocument:
+                messages = await decode_each(found)
         except StoreError as exc:
             if not handle.closed:
                 on_error(exc)
@@ -78,7 +101,7 @@ def listen_inbox(
     def on_change(change: docs.Change) -> None:
         if change.initial and on_initial is not None:
             on_initial()
-        if change.initial and skip_initial:
+        if change.initial and handle.skip_initial:
             return
         found = [(doc_id, fields) for doc_id, fields, _ in change.upserts if fields.get("state") == layout.PENDING]
         if not found or handle.closed:

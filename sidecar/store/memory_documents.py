@@ -30,6 +30,9 @@ read times come from ``_ListenClock``: strictly increasing microseconds, a new u
 written document (a write that leaves the fields as they were gets one too, where Firestore keeps
 the old; a listen reports no change for it either way).
 Listen reads are billed as production bills them (see ``sidecar.emulators.firestore.listen``).
+``listen_gate`` (tests): when set, a new listen reads its result and sends its first snapshot only
+once the awaitable the gate returns for it is done, so that snapshot comes late and holds every
+commit made meanwhile, as production's first snapshot of a large result or a slow stream does.
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ import asyncio
 import copy
 import datetime
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError
 
 WriteHook = Callable[[str, Sequence[docs.Write]], None]
+ListenGate = Callable[[str, str, Sequence[docs.Filter]], Awaitable[None]]
+"""(parent, collection, filters) of a listen starting -> what its first snapshot waits for."""
 
 
 def _wall_clock_us() -> int:
@@ -60,6 +65,7 @@ class MemoryDocuments:
         self._last_us = 0
         self.before_write: WriteHook | None = None
         self.after_write: WriteHook | None = None
+        self.listen_gate: ListenGate | None = None
         self.reads = 0
         self.writes = 0
         self.deletes = 0
@@ -174,7 +180,10 @@ class MemoryDocuments:
     ) -> docs.Listening:
         self._check_open()
         listening = _MemoryListening(self, f"{parent}/{collection}/" if parent else f"{collection}/", tuple(where))
-        listening.start(asyncio.get_running_loop(), on_change)
+        if self.listen_gate is None:
+            listening.start(asyncio.get_running_loop(), on_change)
+        else:
+            listening.start_after(self.listen_gate(parent, collection, tuple(where)), on_change)
         return listening
 
     _listens: list[_MemoryListening] | None = None
@@ -329,6 +338,7 @@ class _MemoryListening:
         self._sent: dict[str, docs.Fields] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_change: Callable[[docs.Change], None] | None = None
+        self._gated: asyncio.Task[None] | None = None
         self.closed = False
 
     def start(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[docs.Change], None]) -> None:
@@ -343,6 +353,16 @@ class _MemoryListening:
         owner.reads += max(1, len(upserts))
         owner._register_listen(self, True)
         loop.call_soon(self._deliver, docs.Change(upserts, [], owner.listen_tick(), True))
+
+    def start_after(self, gate: Awaitable[None], on_change: Callable[[docs.Change], None]) -> None:
+        """``start`` once ``gate`` is done: the first snapshot is read then (``MemoryDocuments.listen_gate``)."""
+
+        async def start() -> None:
+            await gate
+            if not self.closed:
+                self.start(asyncio.get_running_loop(), on_change)
+
+        self._gated = asyncio.ensure_future(start())
 
     def admits(self, path: str, fields: docs.Fields | None) -> bool:
         if fields is None or not path.startswith(self._prefix) or "/" in path[len(self._prefix) :]:
@@ -377,4 +397,6 @@ class _MemoryListening:
 
     async def close(self) -> None:
         self.closed = True
+        if self._gated is not None:
+            self._gated.cancel()
         self._owner._register_listen(self, False)
