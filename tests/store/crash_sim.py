@@ -155,6 +155,11 @@ class SimConfig:
     page_size: int = 2
     """Documents per query page while ``paged`` (the Firestore reader's ``_PAGE_SIZE``, 2,000 in
     production): small, so that a shard's pending messages span several pages."""
+    epoch_rule: bool = True
+    """The runtime's rule: every decision goes to the store with the epoch of the engine that made
+    it (``epochs=``), every load with the epoch it is made under, and an ack of an engine dropped
+    since is refused before it is sent. False plays the code before that rule (writes fenced with
+    whatever the pod believes when they are sent), for the test that the simulation finds it."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -222,6 +227,8 @@ class _Life:
     """The payload budget shared by the loads under way (the runtime's ``_payload_budget``)."""
     seen: list[Message] = field(default_factory=list)
     """The last stored records handed to an engine: ``stale_copy`` hands one over again."""
+    accepted_by: dict[str, tuple[int, Engine]] = field(default_factory=dict)
+    """Delivery id -> (epoch, engine) that accepted its app ack: the runtime's delivery-id prefix."""
 
     @property
     def engine(self) -> Engine:
@@ -259,6 +266,12 @@ class Simulation:
     _writes_until_crash: int | None = None
     _crash_after_apply: bool = False
     _lose_next_answer: bool = False
+    _unavailable_writes: int = 0
+    """Writes still to fail before they apply (``brownout``): Firestore unavailable."""
+    unavailable: int = 0
+    """Writes a brownout refused."""
+    stale_acks: int = 0
+    """Acks of an engine dropped since, refused before they were sent (``epoch_rule``)."""
     lives: list[_Life] = field(init=False)
     active: int = 0
     """The pod in focus: the operations act on it."""
@@ -326,11 +339,26 @@ class Simulation:
             for shard in sorted(held):  # the runtime's ``_start``: one ``_load_shard`` per shard
                 self._load_state(life, shard)
         elif held:
-            shards = None if len(held) == self.config.shards else frozenset(held)
-            snapshot = self._run(store.load(SUB, self.now_ms, None, self.config.max_held_bytes, shards))
-            for shard in held:
-                self._restore_engine(life, shard, snapshot)
+            for epoch in sorted(set(held.values())):
+                group = frozenset(shard for shard, at in held.items() if at == epoch)
+                shards = None if len(group) == self.config.shards else group
+                snapshot = self._run(
+                    store.load(SUB, self.now_ms, None, self.config.max_held_bytes, shards, epoch=self._epoch(epoch))
+                )
+                for shard in group:
+                    self._restore_engine(life, shard, snapshot)
         return life
+
+    def _epoch(self, epoch: int) -> int | None:
+        """What a load passes as its epoch: the runtime's (None before the epoch rule)."""
+        return epoch if self.config.epoch_rule else None
+
+    def _epochs(self, keys: Sequence[str]) -> dict[int, int] | None:
+        """``epochs=`` for a write of the pod in focus deciding about ``keys`` (its engines' epochs)."""
+        if not self.config.epoch_rule:
+            return None
+        believed = self.life.believed
+        return {shard: believed[shard] for shard in {self._shard(key) for key in keys} if shard in believed}
 
     def _load_state(self, life: _Life, shard: int) -> None:
         """A paged load's first phase (the runtime's ``_load_shard``): the shard's cursors, a loading
@@ -338,7 +366,11 @@ class Simulation:
         shards = None if self.config.shards == 1 else frozenset({shard})
         if life.budget is None and self.config.max_held_bytes is not None:
             life.budget = PayloadBudget(self.config.max_held_bytes - life.held_bytes)
-        snapshot = self._run(life.store.load(SUB, self.now_ms, None, life.budget, shards, pending=False))
+        snapshot = self._run(
+            life.store.load(
+                SUB, self.now_ms, None, life.budget, shards, pending=False, epoch=self._epoch(life.believed[shard])
+            )
+        )
         assert not snapshot.pending, "load(pending=False) returned pending messages"
         self._restore_engine(life, shard, snapshot, loading=True)
         entry = ShardEngine(shard, life.believed[shard], life.engines[shard])
@@ -405,7 +437,8 @@ class Simulation:
             return self._shard(message.key) not in shards
 
         life.outstanding = {d: x for d, x in life.outstanding.items() if kept(x.message)}
-        life.acks = [a for a in life.acks if kept(a.message)]
+        # Accepted acks stay queued, as in the runtime, which retries them as long as the store
+        # fails: the store (and, with the epoch rule, the runtime first) must refuse them now.
         life.dead_letters = [a for a in life.dead_letters if kept(a.message)]
         life.drops = [m for m in life.drops if kept(m)]
         life.fast = {k: (n, m) for k, (n, m) in life.fast.items() if kept(m)}  # Pub/Sub keeps the rest
@@ -427,6 +460,10 @@ class Simulation:
             )
 
     def _before_write(self, kind: str, writes: Sequence[docs.Write]) -> None:
+        if self._unavailable_writes:
+            self._unavailable_writes -= 1
+            self.unavailable += 1
+            raise docs.Unavailable(f"{kind}: Firestore unavailable (brownout)")
         if self._writes_until_crash is None:
             return
         if self._writes_until_crash > 0:
@@ -500,6 +537,12 @@ class Simulation:
     def op_crash(self, arg: int) -> None:
         raise Crash("kill -9")
 
+    def op_brownout(self, arg: int) -> None:
+        """Firestore is unavailable for the next few writes: they fail before they apply, and every
+        caller retries (the runtime for as long as they fail), so a retry can outlive the lease it
+        was decided under, across a ``lose_lease`` (to this very pod too) and a ``take_over``."""
+        self._unavailable_writes = 1 + arg % 6
+
     def op_focus(self, arg: int) -> None:
         """The next operations act on another pod."""
         self.active = arg % self.config.pods
@@ -525,7 +568,16 @@ class Simulation:
         if self.config.paged:
             self._load_state(life, shard)
             return
-        snapshot = self._run(life.store.load(SUB, self.now_ms, None, self.config.max_held_bytes, frozenset({shard})))
+        snapshot = self._run(
+            life.store.load(
+                SUB,
+                self.now_ms,
+                None,
+                self.config.max_held_bytes,
+                frozenset({shard}),
+                epoch=self._epoch(lease["epoch"]),
+            )
+        )
         self._restore_engine(life, shard, snapshot)
 
     def op_page(self, arg: int) -> None:
@@ -673,6 +725,7 @@ class Simulation:
             intent = engine.ack(delivery.consumer, delivery.delivery_id, self.now_ms)
         except UnknownDelivery:
             return  # expired or the stream closed meanwhile
+        self.life.accepted_by[delivery.delivery_id] = (self.life.believed[self._shard(delivery.message.key)], engine)
         self.life.acks.append(intent)
         self.life.accepted.add(_identity(delivery.message))
 
@@ -701,9 +754,29 @@ class Simulation:
         life = self.life
         if life.acks:
             batch, life.acks = life.acks, []
-            task = self.loop.create_task(life.store.commit_acks(SUB, batch, self.now_ms))
-            life.ack_tasks.append((task, batch))
+            epochs: dict[int, int] | None = None
+            if self.config.epoch_rule:
+                # The runtime's ``_commit_acks``: an ack of an engine dropped since is refused at once.
+                current = [
+                    i for i in batch if self._accepting_engine(i) is life.engines.get(self._shard(i.message.key))
+                ]
+                self.stale_acks += len(batch) - len(current)
+                batch = current
+                epochs = {self._shard(i.message.key): life.accepted_by[i.delivery_id][0] for i in batch}
+            if batch:
+                task = self.loop.create_task(life.store.commit_acks(SUB, batch, self.now_ms, epochs=epochs))
+                life.ack_tasks.append((task, batch))
         self._finish_ack_tasks()
+
+    def _accepting_engine(self, intent: AckIntent) -> Engine | None:
+        accepted = self.life.accepted_by.get(intent.delivery_id)
+        return None if accepted is None else accepted[1]
+
+    def _lost_now(self, error: ShardLost) -> frozenset[int]:
+        """The shards of ``error`` that the pod in focus holds at the epoch lost (not those it holds
+        again at a later epoch: only what was decided under the old one was refused)."""
+        believed = self.life.believed
+        return frozenset(s for s in error.shards if s in believed and error.lost_at(s, believed[s]))
 
     def _finish_ack_tasks(self) -> None:
         """Let the ``commit_acks`` calls under way run; handle those that returned (a call with
@@ -716,19 +789,26 @@ class Simulation:
             error = task.exception()
             if isinstance(error, Crash):
                 raise error
-            lost: frozenset[int] = frozenset()
             if isinstance(error, ShardLost):
-                lost = error.shards  # the rest of the batch is durable
+                # The rest of the batch is durable; acks of the shards named, at their epochs, are not.
+                self.fenced_writes += 1
+                refused = error
+                batch = [
+                    i
+                    for i in batch
+                    if not refused.lost_at(self._shard(i.message.key), life.accepted_by[i.delivery_id][0])
+                ]
+                self._lose(self._lost_now(error))
             elif error is not None:
                 assert isinstance(error, StoreError), error
                 life.acks = batch + life.acks  # the runtime retries
                 continue
-            if lost:
-                self.fenced_writes += 1
-                self._lose(lost)
-                batch = [intent for intent in batch if self._shard(intent.message.key) not in lost]
             for shard, engine in life.engines.items():
-                ids = [i.delivery_id for i in batch if self._shard(i.message.key) == shard]
+                ids = [
+                    i.delivery_id
+                    for i in batch
+                    if self._shard(i.message.key) == shard and self._accepting_engine(i) is engine
+                ]
                 self._apply(engine.ack_durable(ids, self.now_ms))
             # Confirmed to the app: never to be delivered again (G3).
             self.confirmed.update(_identity(intent.message) for intent in batch)
@@ -754,10 +834,10 @@ class Simulation:
             self.dead_lettered.add(_identity(message))
         state = DEAD_LETTERED if action.in_order else DEAD_LETTERED_ASIDE
         try:
-            self._run(life.store.mark_done(SUB, [message], state, self.now_ms))
+            self._run(life.store.mark_done(SUB, [message], state, self.now_ms, epochs=self._epochs([message.key])))
         except ShardLost as exc:
             self.fenced_writes += 1
-            self._lose(exc.shards)  # the new owner delivers it again (the topic has a copy: allowed)
+            self._lose(self._lost_now(exc))  # the new owner delivers it again (the topic has a copy: allowed)
             return
         except StoreError:
             return  # retried later; the topic may get it twice (allowed)
@@ -789,10 +869,10 @@ class Simulation:
     def _unblock(self, key: str) -> None:
         life = self.life
         try:
-            position = self._run(life.store.unblock(SUB, key, self.now_ms))
+            position = self._run(life.store.unblock(SUB, key, self.now_ms, epochs=self._epochs([key])))
         except ShardLost as exc:
             self.fenced_writes += 1
-            self._lose(exc.shards)  # the operator asks the new owner (drain retries it there)
+            self._lose(self._lost_now(exc))  # the operator asks the new owner (drain retries it there)
             self.unblock_retries.add(key)
             return
         except StoreError:
@@ -812,10 +892,12 @@ class Simulation:
             return
         batch, life.drops = life.drops, []
         try:
-            self._run(life.store.mark_done(SUB, batch, DROPPED, self.now_ms))
+            self._run(
+                life.store.mark_done(SUB, batch, DROPPED, self.now_ms, epochs=self._epochs([m.key for m in batch]))
+            )
         except ShardLost as exc:
             self.fenced_writes += 1
-            self._lose(exc.shards)
+            self._lose(self._lost_now(exc))
         except StoreError:
             life.drops = batch + life.drops
 
@@ -824,7 +906,7 @@ class Simulation:
             self._run(self.life.store.flush(SUB))
         except ShardLost as exc:
             self.fenced_writes += 1
-            self._lose(exc.shards)
+            self._lose(self._lost_now(exc))
         except StoreError:
             pass
         self._finish_ack_tasks()
@@ -886,6 +968,7 @@ class Simulation:
         "page",
         "page",
         "stale_copy",
+        "brownout",
     )
 
     def _tick_all(self) -> None:

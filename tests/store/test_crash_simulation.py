@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 from crash_sim import SUB, Crash, Published, SimConfig, Simulation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -542,3 +543,42 @@ def test_27_3_a_stale_copy_of_an_acked_message_never_replaces_its_tombstone() ->
     sim.step("crash", 0)
     assert [d.message.sequence for d in sim.take()] == [3], "the key waits for 2, which is finished"
     _finish(sim)
+
+
+def _ack_retried_across_a_re_take(sim: Simulation) -> None:
+    """k0/1 delivered and acked; its Commit fails in a brownout and is retried after the lease
+    moved to this very pod at epoch + 1 and the pod reloaded the shard (k0/1 pending there)."""
+    sim.ingest_all()
+    (delivery,) = sim.take()
+    assert delivery.message.sequence == 1
+    sim.ack("k0", 1)
+    sim.step("brownout", 0)  # the next write fails before it applies
+    sim.step("commit_acks", 0)  # refused by Firestore: the runtime retries it
+    assert sim.unavailable == 1 and not sim.confirmed
+    sim.step("lose_lease", 0)  # one pod: the lease goes to p0 itself, epoch 2 (its margin ran out)
+    sim.step("take_over", 0)  # p0 takes the shard back and reloads it: k0/1 is still pending
+    assert sim.handovers == 1
+    sim.step("commit_acks", 0)  # the retry, now that Firestore answers
+
+
+def test_27_1_an_ack_retried_across_a_re_take_is_refused_not_confirmed() -> None:
+    """Case 1: the retried ack is refused (its engine is gone, and the store holds the shard at
+    epoch 2), so it is never confirmed; the epoch-2 engine delivers k0/1 again, which G3 allows."""
+    sim = Simulation(SimConfig(keys=1, per_key=2))
+    _ack_retried_across_a_re_take(sim)
+    assert ("k0", 1) not in sim.confirmed and sim.stale_acks == 1
+    (again,) = sim.take()
+    assert again.message.sequence == 1
+    _finish(sim)
+
+
+def test_27_1_without_the_epoch_rule_the_simulation_finds_a_confirmed_ack_delivered_again() -> None:
+    """The same run with the code before the rule (writes fenced with the epoch the pod holds when
+    they are sent): the retry passes the epoch-2 fence, the ack is confirmed, and the epoch-2
+    engine delivers k0/1 again: the check on every delivery catches it."""
+    sim = Simulation(SimConfig(keys=1, per_key=2, epoch_rule=False))
+    _ack_retried_across_a_re_take(sim)
+    assert ("k0", 1) in sim.confirmed
+    with pytest.raises(AssertionError, match="G3"):
+        sim.take()
+    sim.close()
