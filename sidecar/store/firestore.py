@@ -568,8 +568,11 @@ class _Listening:
     - Changes (DocumentChange, DocumentDelete, DocumentRemove) accumulate until a TargetChange
       NO_CHANGE with no target ids and a read time marks a consistent snapshot, once the target is
       CURRENT; then one ``Change`` goes out. RESET forgets what was sent: the server resends the set.
-    - The resume token of the last CURRENT/NO_CHANGE is kept; a stream that fails with a transient
-      status is reopened with it (capped backoff with jitter), so only changes since are resent.
+    - The resume token of the last CURRENT/NO_CHANGE is kept once the snapshot it precedes was
+      handed over (the official watch keeps it at ``push`` alike); a stream that fails with a
+      transient status is reopened with it (capped backoff with jitter), so only changes since are
+      resent. A token taken earlier would let a stream that fails between a CURRENT and its snapshot
+      resume past changes never handed over (a first snapshot's whole result set among them).
       A permanent status (``_LISTEN_PERMANENT``) or a REMOVE with a cause ends it through ``on_error``.
     - ``initial`` is True for the first snapshot of a stream opened without a resume token (the full
       result set), False for every later one, resumed streams included.
@@ -655,6 +658,7 @@ class _Listening:
         current = False
         upserts: dict[str, tuple[docs.Fields, int]] = {}
         removals: set[str] = set()
+        token = b""  # the latest resume token, kept once the changes it covers are handed over
         try:
             stream = await self._owner._listen_stream(requests())
             async for response in stream:
@@ -682,11 +686,12 @@ class _Listening:
                     if change_type == change.TargetChangeType.RESET:
                         upserts.clear()
                         removals = set(self._in_result)
+                        token = b""
                         continue
                     if change_type == change.TargetChangeType.CURRENT:
                         current = True
                     if change.resume_token and (change_type != change.TargetChangeType.NO_CHANGE or current):
-                        self._resume_token = bytes(change.resume_token)
+                        token = bytes(change.resume_token)
                     global_snapshot = change_type == change.TargetChangeType.NO_CHANGE and not change.target_ids
                     if global_snapshot and current and change.HasField("read_time"):
                         removals -= set(upserts)
@@ -705,6 +710,8 @@ class _Listening:
                         delivered = True
                         initial = False
                         upserts, removals = {}, set()
+                        if token:
+                            self._resume_token, token = token, b""
         finally:
             stop.set()
         return delivered
