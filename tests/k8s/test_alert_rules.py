@@ -48,6 +48,7 @@ def test_the_rule_renders_as_a_prometheus_rule(rule: dict[str, Any]) -> None:
         "PubsubSidecarKeyBlockedByDeadLetter",
         "PubsubSidecarDeadLettering",
         "PubsubSidecarDeadLetterBacklogOld",
+        "PubsubSidecarStreamingPullFailing",
     }
     for alert in alerts.values():
         assert alert["expr"].strip() and alert["labels"]["severity"] in ("page", "ticket")
@@ -67,4 +68,4 @@ def test_every_sidecar_metric_an_alert_uses_is_exported_with_its_labels(rule: di
                 for labels in re.findall(r"by \(([^)]*)\)", alert["expr"]):
                     sidecar_labels = {label.strip() for label in labels.split(",")} - {"namespace", "pod"}
                     assert sidecar_labels <= exported[name], f"{alert['alert']}: {sidecar_labels} not on {name}"
-    assert used == 2
+    assert used == 3
