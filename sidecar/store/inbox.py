@@ -7,16 +7,17 @@ never, since the owner's tombstone (a whole-document replace) drops ``inbox`` an
 out of the result. Chunked payloads are read like recovery reads them.
 
 Only ``upserts`` matter: a removal is the owner's own tombstone (or a TTL delete) and says nothing
-new. The first snapshot (the whole inbox at that instant) is reported through ``on_initial`` and
-handed over like any change, unless ``InboxListening.skip_initial`` holds **when it arrives**: the
-owner starts the Listen, waits a bounded time for that snapshot, clears ``skip_initial`` and only
-then loads the shard. A snapshot that arrived before was read before the load's reads, which hold
-all of it (leaving it out spares the engine a duplicate of every inbox message); one that arrives
-later (a late first snapshot: a large inbox, a slow stream) may hold messages committed after the
-load's page reads, which nothing else would hand over, so it is handed over whole, and the runtime
-admits a record once (``ShardEngine.admit``). A snapshot may be older than the owner's own writes
-(a Listen lags a little); the runtime deals with a copy it already finished
-(``SubscriptionRuntime._finished_elsewhere``).
+new. The first snapshot (the whole inbox at that instant) is handed over like any change, then
+reported through ``on_initial``; if ``InboxListening.skip_initial`` holds **when it arrives**, it
+is only reported. The owner starts the Listen, waits a bounded time for that snapshot, clears
+``skip_initial`` and only then loads the shard. A snapshot that arrived before was read before the
+load's reads, which hold all of it (leaving it out spares the engine a duplicate of every inbox
+message); one that arrives later (a late first snapshot: a large inbox, a slow stream) may hold
+messages committed after the load's page reads, which nothing else would hand over, so it is
+handed over whole. While the shard loads the runtime admits each record once
+(``ShardEngine.admit``); after, a copy of a message the engine holds is dropped as a duplicate. A
+snapshot may be older than the owner's own writes (a Listen lags a little); the runtime deals with
+a copy it already finished (``SubscriptionRuntime._finished_elsewhere``).
 
 A corrupt document is left out alone (logged; the next recovery refuses it): the others of its
 snapshot are still handed over. A read that fails (a chunk read) ends the Listen through
@@ -70,7 +71,11 @@ def listen_inbox(
     skip_initial: bool = False,
     on_initial: Callable[[], None] | None = None,
 ) -> InboxListening:
-    """Start listening on ``shard``'s inbox under ``sub_path``; ``on_messages`` gets each batch, decoded."""
+    """Start listening on ``shard``'s inbox under ``sub_path``; ``on_messages`` gets each batch, decoded.
+
+    ``on_initial`` is called once the first snapshot is dealt with: left out, or handed over (after
+    its ``on_messages``); not at all for a Listen that fails first (its successor's first snapshot
+    holds the same)."""
     handle = InboxListening(skip_initial)
 
     async def decode_each(found: list[tuple[str, dict[str, Any]]]) -> list[Message]:
@@ -85,7 +90,7 @@ def listen_inbox(
                 )
         return messages
 
-    async def decode(found: list[tuple[str, dict[str, Any]]]) -> None:
+    async def decode(found: list[tuple[str, dict[str, Any]]], initial: bool) -> None:
         try:
             try:
                 messages = await reader.decode_pending(sub_path, found)
@@ -95,18 +100,24 @@ def listen_inbox(
             if not handle.closed:
                 on_error(exc)
             return
-        if not handle.closed and messages:
+        if handle.closed:
+            return
+        if messages:
             on_messages(messages)
+        if initial and on_initial is not None:
+            on_initial()
 
     def on_change(change: docs.Change) -> None:
-        if change.initial and on_initial is not None:
-            on_initial()
-        if change.initial and handle.skip_initial:
+        if handle.closed:
             return
         found = [(doc_id, fields) for doc_id, fields, _ in change.upserts if fields.get("state") == layout.PENDING]
-        if not found or handle.closed:
+        if change.initial and (handle.skip_initial or not found):
+            if on_initial is not None:
+                on_initial()
             return
-        task = asyncio.ensure_future(decode(found))
+        if not found:
+            return
+        task = asyncio.ensure_future(decode(found, change.initial))
         handle.decoding.add(task)
         task.add_done_callback(handle.decoding.discard)
 

@@ -365,3 +365,30 @@ async def test_a_late_first_snapshot_on_the_firestore_emulator_is_handed_over(em
     finally:
         await pods.stop()
         await documents.close()
+
+
+@pytest.mark.parametrize("skip_initial", [False, True])
+async def test_on_initial_comes_after_the_first_snapshot_is_handed_over_or_left_out(skip_initial: bool) -> None:
+    documents = MemoryDocuments()
+    pods = Pods(documents)
+    await pods.stored_elsewhere(1)
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    def on_initial() -> None:
+        seen.append("initial")
+        done.set()
+
+    listening = pods.store.listen_inbox(
+        SUB,
+        SHARD,
+        lambda messages: seen.extend(f"{KEY}/{m.sequence}" for m in messages),
+        lambda error: None,
+        skip_initial=skip_initial,
+        on_initial=on_initial,
+    )
+    try:
+        await asyncio.wait_for(done.wait(), WAIT_SECONDS)
+        assert seen == (["initial"] if skip_initial else [f"{KEY}/1", "initial"])
+    finally:
+        await listening.close()
