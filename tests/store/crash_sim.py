@@ -272,6 +272,8 @@ class Simulation:
     """Writes a brownout refused."""
     stale_acks: int = 0
     """Acks of an engine dropped since, refused before they were sent (``epoch_rule``)."""
+    app_acked: set[Identity] = field(default_factory=set)
+    """Identities an app acked and an engine accepted, in any life."""
     lives: list[_Life] = field(init=False)
     active: int = 0
     """The pod in focus: the operations act on it."""
@@ -728,6 +730,7 @@ class Simulation:
         self.life.accepted_by[delivery.delivery_id] = (self.life.believed[self._shard(delivery.message.key)], engine)
         self.life.acks.append(intent)
         self.life.accepted.add(_identity(delivery.message))
+        self.app_acked.add(_identity(delivery.message))
 
     def op_app_nack(self, arg: int) -> None:
         delivery = self._pick(arg)
@@ -1140,6 +1143,7 @@ class Simulation:
         its shards."""
         self._writes_until_crash = None
         self._lose_next_answer = False
+        self._unavailable_writes = 0
         for pod in range(self.config.pods):
             self.active = pod
             self._lose(frozenset(shard for shard in list(self.life.engines) if not self.owns(shard)))
@@ -1196,6 +1200,11 @@ class Simulation:
                 continue
             if ident in self.dead_lettered and ident in self.confirmed:
                 continue  # a copy of a finished message whose tombstone expired, dead-lettered below the cursor
+            if ident in self.app_acked and ident in self.cursor_passed(message.key) and ident not in self.skipped:
+                # A fast-path message's ack made durable by a checkpoint (written by another Commit of
+                # its shard: a dead letter's, a drop's) just before a crash: never confirmed, never
+                # delivered again (G3 allows it); the cursor is its only record.
+                continue
             if self.config.fast_path and ident in self.confirmed and ident in self.config.conflicts:
                 # Another content of this identity went through the fast path and was acked: no record
                 # of its content is left to tell this copy from a duplicate (docs/store.md, documented).
