@@ -13,7 +13,7 @@
   while the shard's state is read are kept and handed over once its engine exists. A record both
   loaded by a page and handed over, in either order, reaches the engine once while the shard
   loads (``ShardEngine.admit``); a copy handed over after the load is dropped by the engine as a
-  duplicate of what it holds.
+  duplicate of what it holds, or of what it finished (a stale copy: its drop leaves the tombstone).
 - **Lost** (``on_lost``: a failed renewal, another owner seen, the local deadline passed, or the
   store refusing a fenced write): the runtime drops the shard at once and its Listen closes.
 - **Handing over** (``before_release``: balancing, or SIGTERM through ``release_all``): the runtime
