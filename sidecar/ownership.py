@@ -116,6 +116,8 @@ class ShardOwnership:
             listening = self._listens.get(shard)
             if listening is not None:
                 listening.skip_initial = False
+            if not first_snapshot.is_set():
+                self._runtime.inbox_behind(shard, epoch)
             await self._runtime.adopt_shard(shard, epoch)
         except BaseException:
             self._stop_listen(shard)
@@ -166,6 +168,8 @@ class ShardOwnership:
             waiting = self._before_load.get(shard)
             if waiting is not None:
                 waiting.set()
+            else:
+                self._runtime.inbox_caught_up(shard, epoch)
 
         def on_error(error: StoreError) -> None:
             if listening is None or self._listens.get(shard) is not listening:

@@ -282,6 +282,8 @@ class SubscriptionRuntime:
         self._states_read.set()
         self._loaders: dict[int, asyncio.Task[None]] = {}
         """Per shard, the task restoring its pending messages (``_load_pending``)."""
+        self._inbox_behind: dict[int, int] = {}
+        """Shard -> epoch whose inbox Listen has not handed over its first snapshot (``inbox_behind``)."""
         self._budget: PayloadBudget | None = None
         """The payload budget the loads in progress share (``_payload_budget``)."""
         self._drops: list[tuple[ShardEngine, Message]] = []
@@ -385,6 +387,22 @@ class SubscriptionRuntime:
         self._progress.set()
         self._after_change()
 
+    def inbox_behind(self, shard: int, epoch: int) -> None:
+        """Before ``adopt_shard``: the shard's inbox Listen has not handed over its first snapshot,
+        which may come after the load and hold records a page restored. Until ``inbox_caught_up``
+        the engine keeps admitting each record once (``ShardEngine.admit``) past the end of the load."""
+        self._inbox_behind[shard] = epoch
+
+    def inbox_caught_up(self, shard: int, epoch: int) -> None:
+        """The shard's inbox Listen handed over its first snapshot: records are no longer remembered
+        once the load has ended (a later copy is a duplicate of what the engine holds, or finished)."""
+        if self._inbox_behind.get(shard) == epoch:
+            del self._inbox_behind[shard]
+        entry = self._engines.get(shard)
+        loader = self._loaders.get(shard)
+        if entry is not None and entry.epoch == epoch and (loader is None or loader.done()):
+            entry.handed = None
+
     def _progress_counter(self) -> Callable[[int], None]:
         """A ``progress`` callback for one store read: documents read count towards recovery."""
         seen = 0
@@ -467,7 +485,8 @@ class SubscriptionRuntime:
             await pages.aclose()
         if self._engines.get(entry.shard) is not entry:
             return
-        entry.handed = None
+        if self._inbox_behind.get(entry.shard) != entry.epoch:
+            entry.handed = None
         actions = entry.engine.finish_loading(self._clock())
         entry.held_bytes -= _held_size([a.message for a in actions if isinstance(a, DropDuplicate | DeadLetter)])
         self._apply(entry, actions)
@@ -531,6 +550,8 @@ class SubscriptionRuntime:
         if entry is None or (epoch is not None and entry.epoch != epoch):
             return False
         self._engines.remove(shard)
+        if self._inbox_behind.get(shard) == entry.epoch:
+            del self._inbox_behind[shard]
         loader = self._loaders.get(shard)
         if loader is not None:
             loader.cancel()
