@@ -19,14 +19,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 from delivery_harness import incoming_message as sequence_message
-from test_runtime_shards import ROOT, SHARDS, SUB, World, _Sink, keys_of_shard
+from test_runtime_shards import ROOT, SUB, World, keys_of_shard
 
-from sidecar.engine.types import EngineConfig
-from sidecar.runtime import SubscriptionRuntime
 from sidecar.store import documents as docs
 from sidecar.store import layout
-from sidecar.store.api import SubscriptionStoreConfig
-from sidecar.store.document_store import DocumentStore
 
 DEADLINE_SECONDS = 10.0
 
@@ -45,36 +41,12 @@ class Brownout:
             raise docs.Unavailable("commit: Firestore unavailable (brownout)")
 
 
-def _world(*, background_flush: bool = False, **runtime_kwargs: object) -> World:
-    world = World()
-    if background_flush:
-        world.store = DocumentStore(
-            world.documents,
-            {SUB: SubscriptionStoreConfig(mode="sequence", shards=SHARDS)},
-            root=ROOT,
-            fences=world._fence,
-            cursor_write_interval_ms=200,
-        )
-    world.runtime = SubscriptionRuntime(
-        SUB,
-        EngineConfig(mode="sequence", ack_deadline_ms=60_000),
-        world.store,
-        _Sink(),
-        shard_count=SHARDS,
-        on_shard_lost=lambda shard, epoch: world.lost.append((shard, epoch)),
-        **runtime_kwargs,  # type: ignore[arg-type]
-    )
-    world.runtime.pod = "me"
-    world.runtime.lease_check = lambda shard: world.epochs.get(shard)
-    return world
-
-
 @pytest.fixture
 async def make_world() -> AsyncIterator[Callable[..., World]]:
     worlds: list[World] = []
 
     def build(**kwargs: object) -> World:
-        world = _world(**kwargs)  # type: ignore[arg-type]
+        world = World(**kwargs)
         worlds.append(world)
         return world
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,9 @@ class _Sink:
 class World:
     """One pod's runtime and store, and the lease documents as every pod sees them."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, background_flush: bool = False, **runtime_kwargs: Any) -> None:
+        """``background_flush``: the store writes lagging checkpoints by itself (every 200 ms);
+        ``runtime_kwargs`` go to the runtime (``max_held_bytes``, ...)."""
         self.documents = MemoryDocuments()
         self.epochs: dict[int, int] = {}
         self.store = DocumentStore(
@@ -44,7 +47,8 @@ class World:
             {SUB: SubscriptionStoreConfig(mode="sequence", shards=SHARDS)},
             root=ROOT,
             fences=self._fence,
-            background_flush=False,
+            background_flush=background_flush,
+            cursor_write_interval_ms=200 if background_flush else 1_000,
         )
         self.lost: list[tuple[int, int]] = []
         self.runtime = SubscriptionRuntime(
@@ -54,6 +58,7 @@ class World:
             _Sink(),
             shard_count=SHARDS,
             on_shard_lost=lambda shard, epoch: self.lost.append((shard, epoch)),
+            **runtime_kwargs,
         )
         self.runtime.pod = "me"
         self.runtime.lease_check = lambda shard: self.epochs.get(shard)
