@@ -38,6 +38,7 @@ from google.cloud import pubsub_v1
 from prometheus_client.parser import text_string_to_metric_families
 
 from pubsub_sidecar_client import Message, OrderedSubscriber
+from pubsub_sidecar_client.status import get_status
 
 _T = TypeVar("_T")
 
@@ -198,8 +199,9 @@ class EmulatorsProcess:
     def add_fault(self, **rule: Any) -> Any:
         return self.admin("POST", "/faults", rule)
 
-    def clear_faults(self) -> None:
-        self.admin("DELETE", "/faults")
+    def clear_faults(self, service: str | None = None) -> None:
+        """Remove every fault rule, or those of one service ("firestore", "pubsub")."""
+        self.admin("DELETE", "/faults" if service is None else f"/faults?service={service}")
 
     def break_streams(self, service: str = "pubsub", code: str = "UNAVAILABLE") -> int:
         return int(self.admin("POST", "/streams/break", {"service": service, "code": code})["broken"])
@@ -544,6 +546,21 @@ class Seen:
     attributes: dict[str, str]
     at: float
     epoch: int = 0
+    delivery_id: str = ""
+
+
+@dataclass(slots=True)
+class AckRecord:
+    """One delivery the app acked on a live stream (``ack()`` returned True), and what became of it.
+
+    ``confirmed_at``: when the sidecar confirmed it as durable; ``ended_at``: when the client said it
+    never will be (the stream ended first). Both None: still waiting. Monotonic clock.
+    """
+
+    seen: Seen
+    acked_at: float
+    confirmed_at: float | None = None
+    ended_at: float | None = None
 
 
 Decision = str
@@ -575,10 +592,14 @@ class App:
         """(key, sequence, dedup id) -> when the sidecar confirmed the ack (monotonic clock)."""
         self.acked_at: dict[tuple[str, int], float] = {}
         """(key, sequence) -> when the app first sent an ack for it (monotonic clock)."""
+        self.acks: list[AckRecord] = []
+        """Every ack sent on a live stream, one per delivery, with its confirmation (or its end)."""
         self.changed = asyncio.Event()
         self._subscriber: OrderedSubscriber | None = None
         self._task: asyncio.Task[None] | None = None
         self._confirm_tasks: set[asyncio.Task[None]] = set()
+        self._held_seen: dict[int, Seen] = {}
+        """id(message) -> its Seen, for the messages in ``held`` (which keeps them alive)."""
 
     def start(self) -> App:
         self._subscriber = OrderedSubscriber(
@@ -594,41 +615,49 @@ class App:
 
     async def _read(self, subscriber: OrderedSubscriber) -> None:
         async for message in subscriber:
-            self.seen.append(
-                Seen(
-                    message.key,
-                    message.sequence,
-                    message.data,
-                    message.message_id,
-                    message.dedup_id,
-                    message.delivery_attempt,
-                    message.skipped,
-                    dict(message.attributes),
-                    time.monotonic(),
-                    message.epoch,
-                )
+            seen = Seen(
+                message.key,
+                message.sequence,
+                message.data,
+                message.message_id,
+                message.dedup_id,
+                message.delivery_attempt,
+                message.skipped,
+                dict(message.attributes),
+                time.monotonic(),
+                message.epoch,
+                message.delivery_id,
             )
+            self.seen.append(seen)
             decision = self.decide(message)
             if decision == "ack":
                 self.acked_at.setdefault((message.key, message.sequence), time.monotonic())
                 if await message.ack():
-                    task = asyncio.create_task(self._await_confirmation(message))
-                    self._confirm_tasks.add(task)
-                    task.add_done_callback(self._confirm_tasks.discard)
+                    self._track_confirmation(message, seen)
             elif decision == "nack":
                 await message.nack()
             elif decision == "dead_letter":
                 await message.nack(dead_letter=True)
             else:
                 self.held.append(message)
+                self._held_seen[id(message)] = seen
             self.changed.set()
 
-    async def _await_confirmation(self, message: Message) -> None:
+    def _track_confirmation(self, message: Message, seen: Seen) -> None:
+        record = AckRecord(seen, time.monotonic())
+        self.acks.append(record)
+        task = asyncio.create_task(self._await_confirmation(message, record))
+        self._confirm_tasks.add(task)
+        task.add_done_callback(self._confirm_tasks.discard)
+
+    async def _await_confirmation(self, message: Message, record: AckRecord) -> None:
         try:
             await message.confirmed()
         except Exception:
+            record.ended_at = time.monotonic()
             return  # not confirmed: the sidecar may deliver it again, which G3 allows
-        self.confirmed_at.setdefault((message.key, message.sequence, message.dedup_id), time.monotonic())
+        record.confirmed_at = time.monotonic()
+        self.confirmed_at.setdefault((message.key, message.sequence, message.dedup_id), record.confirmed_at)
 
     async def stop(self) -> None:
         if self._subscriber is not None:
@@ -643,14 +672,13 @@ class App:
     async def ack_held(self) -> int:
         """Ack every held message still valid (those of a broken stream are redelivered instead)."""
         held, self.held = self.held, []
+        held_seen, self._held_seen = self._held_seen, {}
         acked = 0
         for message in held:
             self.acked_at.setdefault((message.key, message.sequence), time.monotonic())
             if await message.ack():
                 acked += 1
-                task = asyncio.create_task(self._await_confirmation(message))
-                self._confirm_tasks.add(task)
-                task.add_done_callback(self._confirm_tasks.discard)
+                self._track_confirmation(message, held_seen[id(message)])
         return acked
 
     # ---- what tests read ---------------------------------------------------------------------
@@ -725,3 +753,185 @@ def check_sequence_guarantees_across(apps: Sequence[App], expected: Mapping[str,
 def order_message(key: str, seq: int | str, **extra: str) -> tuple[bytes, dict[str, str]]:
     """A sequence-mode message: key in ``order_id``, sequence in ``seq``, data naming both."""
     return f"{key}#{seq}".encode(), {"order_id": key, "seq": str(seq), **extra}
+
+
+# ---- checks over several apps, per delivery (issue 27's runs) ---------------------------------------
+
+
+def check_confirmed_deliveries_are_final(apps: Sequence[App]) -> None:
+    """G3 per delivery, across apps (sequence mode): a delivery whose ack the sidecar confirmed is
+    the last delivery of its key and sequence anywhere, whichever copy or pod delivers it.
+
+    Stricter than ``check_sequence_guarantees_across`` (no delivery after the confirmation): this
+    also refuses a confirmation that arrives for an old delivery after the message was delivered
+    again (an ack accepted under an old epoch made durable after a new owner loaded the shard), and
+    two confirmed deliveries of one position (a duplicate publish, other message id).
+    """
+    latest: dict[tuple[str, int], Seen] = {}
+    for seen in sorted((seen for app in apps for seen in app.seen), key=lambda seen: seen.at):
+        latest[(seen.key, seen.sequence)] = seen
+    for app in apps:
+        for record in app.acks:
+            if record.confirmed_at is None:
+                continue
+            first = record.seen
+            last = latest[(first.key, first.sequence)]
+            assert last is first, (
+                f"key {first.key!r}: sequence {first.sequence} delivered again (delivery {last.delivery_id}, epoch "
+                f"{last.epoch}, {last.at - first.at:+.1f}s) after delivery {first.delivery_id} (epoch {first.epoch}), "
+                f"whose ack was confirmed {record.confirmed_at - first.at:+.1f}s after it was delivered"
+            )
+
+
+def check_every_position_confirmed(apps: Sequence[App], expected: Mapping[str, int]) -> None:
+    """Every key's 1..N has an ack the sidecar confirmed, at some app; a position missing one is
+    described by what became of its acks (confirmation pending, stream ended, or never acked)."""
+    confirmed = {(r.seen.key, r.seen.sequence) for app in apps for r in app.acks if r.confirmed_at is not None}
+    missing = [
+        (key, seq) for key, last in expected.items() for seq in range(1, last + 1) if (key, seq) not in confirmed
+    ]
+    if not missing:
+        return
+    now = time.monotonic()
+    lines = []
+    for key, seq in missing[:20]:
+        records = [r for app in apps for r in app.acks if (r.seen.key, r.seen.sequence) == (key, seq)]
+        fates = [
+            f"delivery {r.seen.delivery_id} (epoch {r.seen.epoch}) acked {now - r.acked_at:.1f}s ago, "
+            + (f"stream ended {r.ended_at - r.acked_at:.1f}s after the ack" if r.ended_at else "still unconfirmed")
+            for r in records
+        ]
+        lines.append(f"  {key}#{seq}: " + ("; ".join(fates) or "never acked"))
+    raise AssertionError(f"{len(missing)} positions never confirmed:\n" + "\n".join(lines))
+
+
+def check_acks_confirmed_within(apps: Sequence[App], bound_seconds: float) -> list[float]:
+    """Every ack sent on a live stream is confirmed within ``bound_seconds``, unless its stream ended
+    within that time (the app then gets the message again, or it was durable: G3 allows either).
+    Returns the ack-to-confirmation delays, for the report."""
+    now = time.monotonic()
+    delays: list[float] = []
+    late: list[str] = []
+    for app in apps:
+        for r in app.acks:
+            what = f"{r.seen.key}#{r.seen.sequence} (delivery {r.seen.delivery_id})"
+            if r.confirmed_at is not None:
+                delays.append(r.confirmed_at - r.acked_at)
+                if r.confirmed_at - r.acked_at > bound_seconds:
+                    late.append(f"{what}: confirmed {r.confirmed_at - r.acked_at:.1f}s after the ack")
+            elif r.ended_at is not None:
+                if r.ended_at - r.acked_at > bound_seconds:
+                    late.append(f"{what}: unconfirmed while its stream lived {r.ended_at - r.acked_at:.1f}s more")
+            elif now - r.acked_at > bound_seconds:
+                late.append(f"{what}: unconfirmed {now - r.acked_at:.1f}s after the ack, stream alive")
+    assert not late, (
+        f"{len(late)} of {sum(len(app.acks) for app in apps)} acks not confirmed within {bound_seconds:.0f}s "
+        "while their stream lived:\n  " + "\n  ".join(late[:20])
+    )
+    return delays
+
+
+class ReadinessWatch:
+    """Polls ``/readyz`` of several sidecars, each from its own thread, keeping every answer with its
+    time (monotonic clock; status 0 when the pod did not answer within 5 s)."""
+
+    def __init__(self, sidecars: Sequence[SidecarProcess], interval_seconds: float = 0.1) -> None:
+        self.sidecars = list(sidecars)
+        self.answers: list[list[tuple[float, int]]] = [[] for _ in self.sidecars]
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._poll, args=(index,), daemon=True) for index in range(len(self.sidecars))
+        ]
+
+    def __enter__(self) -> ReadinessWatch:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _poll(self, index: int) -> None:
+        while not self._stop.is_set():
+            status, _body = self.sidecars[index].http_get("/readyz")
+            self.answers[index].append((time.monotonic(), status))
+            self._stop.wait(self._interval)
+
+    def first_unready(self, index: int, since: float) -> float | None:
+        return next((at for at, status in list(self.answers[index]) if at >= since and status != 200), None)
+
+    def ready_since(self, index: int, since: float) -> float | None:
+        """When pod ``index`` first answered 200 at or after ``since`` (None: not yet)."""
+        return next((at for at, status in list(self.answers[index]) if at >= since and status == 200), None)
+
+    def all_ready_since(self, since: float) -> list[float] | None:
+        """Each pod's first 200 at or after ``since``, once every pod has one."""
+        times = [self.ready_since(index, since) for index in range(len(self.sidecars))]
+        return None if any(at is None for at in times) else [at for at in times if at is not None]
+
+
+async def async_wait_drained(
+    emulators: EmulatorsProcess, sidecars: Sequence[SidecarProcess], sub_name: str, subscription: str
+) -> None:
+    """Nothing left in flight anywhere: every running sidecar buffers nothing of ``sub_name`` and
+    Pub/Sub has no lease on ``subscription`` (every message pulled was acked, or given back and
+    taken again), twice in a row half a second apart. Dead letters are published before the
+    message is acked in Pub/Sub, so after this the dead-letter topic holds all it will get."""
+    quiet_since: float | None = None
+
+    def drained() -> bool:
+        nonlocal quiet_since
+        quiet = not emulators.leases(subscription) and all(
+            sidecar.metric("pubsub_sidecar_buffered_messages", subscription=sub_name) == 0
+            for sidecar in sidecars
+            if sidecar.returncode is None
+        )
+        if not quiet:
+            quiet_since = None
+            return False
+        quiet_since = quiet_since or time.monotonic()
+        return time.monotonic() - quiet_since >= 0.5
+
+    await async_wait_until_threaded(drained, f"{sub_name} to drain (no buffered message, no Pub/Sub lease)")
+
+
+def positions_unconfirmed(apps: Sequence[App], expected: Mapping[str, int]) -> int:
+    """How many of every key's 1..N have no ack the sidecar confirmed yet, at any app."""
+    confirmed = {(r.seen.key, r.seen.sequence) for app in apps for r in app.acks if r.confirmed_at is not None}
+    return sum(1 for key, last in expected.items() for seq in range(1, last + 1) if (key, seq) not in confirmed)
+
+
+async def async_wait_every_position_confirmed(
+    apps: Sequence[App], expected: Mapping[str, int], within_seconds: float = WAIT_SECONDS
+) -> None:
+    """Wait until every key's 1..N has a confirmed ack; at the deadline, fail describing each
+    position still without one (``check_every_position_confirmed``)."""
+    try:
+        await async_wait_until(
+            lambda: not positions_unconfirmed(apps, expected), "every position confirmed", within_seconds
+        )
+    except AssertionError:
+        check_every_position_confirmed(apps, expected)
+        raise
+
+
+async def async_wait_shards_spread(listens: Sequence[str], sub_name: str, shards: int) -> dict[int, set[int]]:
+    """Wait until the pods at ``listens`` (gRPC targets) hold every shard between them, each at
+    least its floor share; returns pod index -> shards held (from GetStatus)."""
+
+    async def spread() -> dict[int, set[int]] | None:
+        owned: dict[int, set[int]] = {}
+        for index, listen in enumerate(listens):
+            try:
+                response = await get_status(listen, sub_name)
+            except Exception:
+                return None  # not serving yet
+            owned[index] = {shard.shard for shard in response.subscriptions[0].shards}
+        held = sorted(shard for shards_held in owned.values() for shard in shards_held)
+        fair = all(len(shards_held) >= shards // len(listens) for shards_held in owned.values())
+        return owned if held == list(range(shards)) and fair else None
+
+    return await async_poll(spread, f"{shards} shards spread over {len(listens)} pods")
