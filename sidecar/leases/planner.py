@@ -14,9 +14,10 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
   update time, which is what expiry is measured from). A renewal clears an ask it does not grant,
   so an ask from a pod that has died never outlives the owner's next renewal.
 - **Create** a missing document (first use, or deleted by hand) free, at the read's time, and take
-  it in a later round like any free lease. A create's only precondition is "missing", which a
-  document deleted and created again meanwhile also meets: a create planned before that and
-  applied after it writes an epoch from before, so no pod ever holds the epoch a create writes.
+  it in a later plan like any free lease (the manager plans again at once). A create's only
+  precondition is "missing", which a document deleted and created again meanwhile also meets: a
+  create planned before that and applied after it writes an epoch from before, so no pod ever
+  holds the epoch a create writes.
 - **Take** free and expired leases, and leases that name this pod but that it does not hold
   (handed over to it, or held by an earlier life of this pod id), up to the ceiling. An
   acquisition always moves the epoch, so a write fenced with an epoch from before never applies.
@@ -32,10 +33,10 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
   yet, and never twice: an ask changes the update time once, so it keeps a dead owner's lease alive
   for at most one more lease duration.
 - **Hand over** (``owner`` = the asking pod) asked-for leases while above ``base``; **release**
-  (``owner`` = ``""``) what is still above the ceiling, and leases naming
-  this pod that it neither holds nor takes.
-- **Draining** (SIGTERM, while the apps' in-flight messages drain): renew only, take and ask
-  nothing. **Leaving**: hand over or release every lease naming this pod, and withdraw its asks.
+  (``owner`` = ``""``) what is still above the ceiling, and leases naming this pod that it neither
+  holds nor takes.
+- **Draining** (SIGTERM, while the apps' in-flight messages drain): renew only, create, take and
+  ask nothing. **Leaving**: hand over or release every lease naming this pod, and withdraw its asks.
 
 A held lease whose document shows another owner or epoch, or is missing or bad, is reported
 ``lost``. Invariants (property tested in tests/leases/): every epoch a change of owner writes is
