@@ -162,7 +162,7 @@ class FirestoreService:
         """A read-write transaction's read waits for older transactions holding those documents."""
         if tx is None or tx.read_only:
             return
-        await self.transactions.wait_turn(tx, wanted)
+        await self.transactions.wait_turn(tx, wanted, to_write=False)
         if self.transactions.find(tx.id) is None:
             raise invalid("The referenced transaction has expired or is no longer valid.")
 
@@ -350,7 +350,7 @@ class FirestoreService:
                 if request.writes:
                     raise invalid("Cannot modify entities in a read-only transaction.")
                 return pb.CommitResponse(commit_time=self._read_time_of(None))
-            await self.transactions.wait_turn(tx, [name for name, _ in targets])
+            await self.transactions.wait_turn(tx, [name for name, _ in targets], to_write=True)
             # The client may have rolled back, or the transaction expired, while we waited.
             if self.transactions.find(tx.id) is None:
                 raise invalid("The referenced transaction has expired or is no longer valid.")

@@ -5,17 +5,24 @@ optimistically. Age = begin order, inherited through ``retry_transaction`` as pr
 so a retried transaction keeps its place in line.
 
 1. A read-write transaction's document read (get, batch get) waits while an *older* live
-   read-write transaction holds a read on that document; an older one never waits for a younger
-   one (wound-wait: no cycles, no deadlock). So documents pass from older to younger
-   transactions, as under production's pessimistic locks, and 8 clients incrementing one counter
-   all finish within the official client's 5 attempts. Reads never abort.
+   read-write transaction holds a read on that document and is at work (used within
+   ``READ_GATE_IDLE_SECONDS``); an older one never waits for a younger one (wound-wait: no
+   cycles, no deadlock). So documents pass from older to younger transactions, as under
+   production's pessimistic locks, and 8 clients incrementing one counter all finish within the
+   official client's 5 attempts. Production's read locks are shared (a read never waits for
+   another read): this wait is only the emulator's way to that order, so an older transaction
+   idle that long (a live client's read-to-commit gap is milliseconds; one abandoned by a
+   killed process stays idle until it expires) stops holding back younger reads, which then
+   rely on the check at Commit alone. Reads never abort.
 2. At Commit, wait likewise for older readers of every written document (an older transaction may
-   have read after this one did), then validate: any recorded version (``update_us``, None for
-   missing) that changed, or any recorded query whose result changed (phantoms included), fails
-   the commit with ABORTED, and the client retries.
+   have read after this one did), idle or not, as a write waits for production's read locks, then
+   validate: any recorded version (``update_us``, None for missing) that changed, or any recorded
+   query whose result changed (phantoms included), fails the commit with ABORTED, and the client
+   retries.
 A wait is bounded by ``lock_timeout_seconds`` and ends in ABORTED ("Transaction lock timeout"), as
-the official emulator does; an abandoned transaction stops blocking others when it expires.
-Non-transactional writes never wait and never fail for transactions: they always win.
+the official emulator does; an abandoned transaction stops blocking commits when it expires (the
+wait wakes then, not at its own timeout). Non-transactional writes never wait and never fail for
+transactions: they always win.
 
 Read-only transactions read a snapshot at their begin time (or the requested ``read_time``) and
 reject writes with INVALID_ARGUMENT. A transaction expires 270 s after it began or 60 s after
@@ -26,6 +33,7 @@ error there would replace the client's original exception).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -39,6 +47,8 @@ from sidecar.emulators.firestore.query import CompiledQuery, execute
 
 MAX_AGE_SECONDS = 270.0
 MAX_IDLE_SECONDS = 60.0
+READ_GATE_IDLE_SECONDS = 5.0
+"""An older transaction idle this long no longer makes younger reads of its documents wait (rule 1)."""
 _REMEMBERED_PRIORITIES = 10_000
 """Ended transactions whose age a retry may still inherit (a retry follows within milliseconds)."""
 _SWEEP_EVERY = 256
@@ -69,9 +79,11 @@ class TransactionManager:
         self,
         monotonic: Callable[[], float] = time.monotonic,
         lock_timeout_seconds: float = 20.0,
+        read_gate_idle_seconds: float = READ_GATE_IDLE_SECONDS,
     ) -> None:
         self._monotonic = monotonic
         self._lock_timeout = lock_timeout_seconds
+        self._read_gate_idle = read_gate_idle_seconds
         self._live: dict[bytes, Transaction] = {}
         self._readers: dict[str, set[bytes]] = {}
         self._priorities: OrderedDict[bytes, int] = OrderedDict()
@@ -149,8 +161,11 @@ class TransactionManager:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _older_readers(self, tx: Transaction, names: Iterable[str]) -> list[Transaction]:
+    def _older_readers(self, tx: Transaction, names: Iterable[str], idle_limit: float) -> list[Transaction]:
+        """Live older transactions holding a read on ``names`` and used within ``idle_limit``
+        seconds; expired ones found on the way are ended."""
         blockers = []
+        now = self._monotonic()
         for name in names:
             for reader_id in list(self._readers.get(name, ())):  # end() below may shrink the set
                 reader = self._live.get(reader_id)
@@ -159,23 +174,27 @@ class TransactionManager:
                 if self._expired(reader):
                     self.end(reader)
                     continue
-                blockers.append(reader)
+                if now - reader.last_used <= idle_limit:
+                    blockers.append(reader)
         return blockers
 
-    async def wait_turn(self, tx: Transaction, names: list[str]) -> None:
-        """Wait until no older transaction holds a read on ``names``; ABORTED after the lock timeout."""
+    async def wait_turn(self, tx: Transaction, names: list[str], *, to_write: bool) -> None:
+        """Wait until no older transaction holds a read on ``names`` (for a read: none at work,
+        rule 1; for a Commit's writes: none live, rule 2); ABORTED after the lock timeout."""
+        idle_limit = MAX_IDLE_SECONDS if to_write else self._read_gate_idle
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._lock_timeout
-        while self._older_readers(tx, names):
+        while blockers := self._older_readers(tx, names, idle_limit):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 self.end(tx)
                 raise aborted("Transaction lock timeout.")
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=remaining)
-            except TimeoutError:
-                continue
-            tx.last_used = self._monotonic()
+            # Wake when a blocker ends, or when the first of them stops counting (idle past the
+            # limit, or expired) without anyone ending it: an abandoned one is ended by nobody.
+            lapses = min(blocker.last_used for blocker in blockers) + idle_limit - self._monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, min(remaining, lapses)) + 0.001)
+            tx.last_used = self._monotonic()  # waiting inside an RPC is being used
 
     def validate(self, tx: Transaction, store: DocumentStore) -> None:
         """ABORTED (and the transaction ended) if anything it read has changed since."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from firestore_harness import Endpoint
@@ -217,6 +218,41 @@ def test_transaction_expires_after_idle_and_total_time(client: firestore.Client,
     assert ref.get().get("v") == 1
 
 
+def test_an_abandoned_transaction_holds_back_younger_reads_briefly_and_their_commits_until_it_expires(
+    client: firestore.Client, endpoint: Endpoint
+) -> None:
+    # A process killed between a transaction's read and its Commit leaves the transaction open
+    # until it expires (60 s idle). Production's read locks are shared: other transactions read
+    # the document at once, and only a write of it waits for the expiry. Before, every younger
+    # read waited for the abandoned one (lock timeout, ABORTED, again) for the whole minute: the
+    # fenced commits of a sidecar restarted after a kill -9 stalled that long.
+    from sidecar.emulators.firestore.transactions import MAX_IDLE_SECONDS, READ_GATE_IDLE_SECONDS
+
+    endpoint.local()
+    assert endpoint.clock is not None
+    ref = client.collection("abandoned").document("d")
+    ref.set({"n": 0})
+    abandoned, younger = client.transaction(), client.transaction()
+    abandoned._begin()
+    younger._begin()
+    try:
+        assert ref.get(transaction=abandoned).get("n") == 0
+        endpoint.clock.offset += READ_GATE_IDLE_SECONDS + 1
+        started = time.monotonic()
+        assert ref.get(transaction=younger).get("n") == 0
+        assert time.monotonic() - started < 15.0, "the read waited out the lock timeout (20 s)"
+        # Its Commit writes what the abandoned one read: it waits until that one expires, two
+        # seconds from now, and no longer (not until its own lock timeout, 20 s).
+        endpoint.clock.offset += MAX_IDLE_SECONDS - READ_GATE_IDLE_SECONDS - 3
+        younger.set(ref, {"n": 1})
+        started = time.monotonic()
+        younger._commit()
+        assert 1.0 < time.monotonic() - started < 15.0
+    finally:
+        endpoint.clock.offset = 0
+    assert ref.get().get("n") == 1
+
+
 async def test_async_transactions_increment_and_create_race(aclient: firestore.AsyncClient) -> None:
     ref = aclient.collection("acount").document("c")
     await ref.set({"n": 0})
@@ -259,5 +295,5 @@ async def test_expired_older_readers_found_while_waiting_are_ended_without_break
         manager.record_read(tx, name, None)
     now[0] += MAX_IDLE_SECONDS + 1
     younger = manager.begin(False, None)
-    await manager.wait_turn(younger, [name])
+    await manager.wait_turn(younger, [name], to_write=True)
     assert all(manager.find(tx.id) is None for tx in older)
