@@ -500,6 +500,7 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
                 lease_renewal_failures=extra.get("lease_renewal_failures", 0),
                 shards_adopted=extra.get("shards_adopted", 0),
                 shards_dropped=extra.get("shards_dropped", 0),
+                lease_blocked_shards=extra.get("lease_blocked", 0),
                 streaming_pull_failing=s.ingestor.pull_health.is_failing(),
                 streaming_pull_errors=dict(s.ingestor.pull_health.errors),
             )

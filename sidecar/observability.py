@@ -67,6 +67,8 @@ class SubscriptionMetrics:
     lease_renewal_failures: int = 0
     shards_adopted: int = 0
     shards_dropped: int = 0
+    lease_blocked_shards: int = 0
+    """Shards whose lease document this pod cannot read as its own (newer layout, corrupt): stopped."""
     streaming_pull_failing: bool = False
     """Every StreamingPull failed for the bound, or the pull was closed for good (``PullHealth``)."""
     streaming_pull_errors: Mapping[str, int] = field(default_factory=dict)
@@ -132,6 +134,15 @@ class SidecarCollector(Collector):
         for snap in sharded:
             owned.add_metric([snap.subscription], snap.shards_owned or 0)
         yield owned
+        blocked = GaugeMetricFamily(
+            f"{PREFIX}_lease_blocked_shards",
+            "Shards stopped because their lease document cannot be read as this version's (a newer layout, a "
+            "corrupt or ill-typed field): nobody delivers their keys until it is repaired (the log names it).",
+            labels=["subscription"],
+        )
+        for snap in sharded:
+            blocked.add_metric([snap.subscription], snap.lease_blocked_shards)
+        yield blocked
         lease_counters = {
             "lease_renewals": "Shard lease renewals written.",
             "lease_renewal_failures": "Shard lease renewals that failed (Firestore error or lease moved on).",

@@ -24,11 +24,12 @@ def rule() -> dict[str, Any]:
 
 
 def exported_metrics() -> dict[str, set[str]]:
-    """Metric name -> label names, from the sidecar's own collector with a blocked key."""
+    """Metric name -> label names, from the sidecar's own collector with a blocked key and shard leases."""
     snapshot = SubscriptionMetrics(
         subscription="orders", received=1, malformed=0, duplicates=0, delivered=1, acked=0, nacked=1, late=0,
         dead_lettered={"app_dead_letter": 1}, buffered=1, in_flight=0, keys_blocked=1,
         oldest_undelivered_age_seconds=3.0, watermark_lag_seconds=None, keys_blocked_dead_letter=1,
+        shards_owned=2, lease_blocked_shards=1,
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(SidecarCollector(lambda: [snapshot]))
@@ -49,6 +50,7 @@ def test_the_rule_renders_as_a_prometheus_rule(rule: dict[str, Any]) -> None:
         "PubsubSidecarDeadLettering",
         "PubsubSidecarDeadLetterBacklogOld",
         "PubsubSidecarStreamingPullFailing",
+        "PubsubSidecarLeaseDocumentBlocked",
     }
     for alert in alerts.values():
         assert alert["expr"].strip() and alert["labels"]["severity"] in ("page", "ticket")
@@ -68,4 +70,4 @@ def test_every_sidecar_metric_an_alert_uses_is_exported_with_its_labels(rule: di
                 for labels in re.findall(r"by \(([^)]*)\)", alert["expr"]):
                     sidecar_labels = {label.strip() for label in labels.split(",")} - {"namespace", "pod"}
                     assert sidecar_labels <= exported[name], f"{alert['alert']}: {sidecar_labels} not on {name}"
-    assert used == 3
+    assert used == 4
