@@ -362,8 +362,13 @@ def subscription_entry(
     flow_control: Mapping[str, Any] | None = None,
     sharding: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One ``subscriptions[]`` entry with test-sized timings (short backoffs, ack deadline and shard
-    leases: a restart after kill -9 waits out the dead process's leases, 3 s here)."""
+    """One ``subscriptions[]`` entry with test-sized timings (short backoffs and ack deadline).
+
+    Shard leases keep the product's default, 10 s: a pod stops delivering a shard when a renewal is
+    about half a lease late, and on two loaded cores a sidecar process can go that long without
+    running (with 3 s leases, every shard was dropped and taken again mid-test now and then, and
+    the messages in flight were delivered again). A restart after kill -9 waits out the dead
+    process's leases; tests about failover pass a shorter ``lease_duration`` themselves."""
     order: dict[str, Any] = {"mode": mode}
     if mode == "sequence":
         order["key"] = {"attribute": "order_id"}
@@ -388,7 +393,7 @@ def subscription_entry(
         entry["flow_control"] = dict(flow_control)
     if dead_letter_topic is not None:
         entry["dead_letter_topic"] = dead_letter_topic
-    entry["sharding"] = {"lease_duration": "3s", "drain_timeout": "2s", **(sharding or {})}
+    entry["sharding"] = {"lease_duration": "10s", "drain_timeout": "2s", **(sharding or {})}
     return entry
 
 
