@@ -36,8 +36,10 @@ timeout a persist fails and its messages are nacked and pulled again (fresh leas
 then simply waits for those."""
 
 REDELIVERY_BOUND_SECONDS = 40.0
-"""Kill to redelivered-to-the-app: the lease (10 s) plus a restart on two loaded cores; an
-unbounded lease after slow acks, or the client's 60 s stream deadline, would exceed it."""
+"""Kill to redelivered-to-the-app: the dead process's leases (its Pub/Sub leases and its shard
+leases, 10 s each, running out together), a lease round and a restart on two loaded cores (19 s
+seen on busy cores); an unbounded lease after slow acks, or the client's 60 s stream deadline,
+would exceed it."""
 
 VICTIMS = 5
 
