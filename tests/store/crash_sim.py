@@ -385,6 +385,17 @@ class Simulation:
             cursors=tuple(c for c in snapshot.cursors if self._shard(c.key) == shard),
             pending=tuple(m for m in snapshot.pending if self._shard(m.key) == shard),
         )
+        cursors = {cursor.key: cursor for cursor in mine.cursors}
+        for key, seq in sorted(self.confirmed - self.expired_tombstones):
+            # A confirmed ack is durable: the recovered cursor passes it, or keeps it finished above.
+            # (Otherwise the key waits for a sequence that is no longer pending: for good.) Past the
+            # TTL only the cursor record knows, and the model's sweep may outrun a pending flush.
+            cursor = cursors.get(key)
+            assert self._shard(key) != shard or (
+                cursor is not None
+                and cursor.next_sequence is not None
+                and (seq < cursor.next_sequence or seq in cursor.acked_above)
+            ), f"recovery: the ack of {(key, seq)} was confirmed, the recovered cursor {cursor} does not pass it"
         store = life.store
         life.engines[shard] = Engine.restore(
             self.config.engine_config(),
@@ -928,6 +939,8 @@ class Simulation:
             for _ in range(5):  # retried until they succeed, as the runtime does long before a TTL runs out
                 for op in ("commit_acks", "drops", "dead_letter", "retry_unblocks"):
                     getattr(self, f"op_{op}")(arg)
+        for shard in range(self.config.shards):  # a lease's owner loads its shard long before a TTL runs out
+            self.op_take_over(shard)
         self.now_ms += 1_100  # the background flush runs a cursor interval after the last commit
         for pod in range(self.config.pods):
             self.active = pod

@@ -585,8 +585,9 @@ def test_27_1_without_the_epoch_rule_the_simulation_finds_a_confirmed_ack_delive
 
 
 # Fast-path acks beside stored ones, lost answers, stale copies of finished records, drops and
-# crashes, on one pod with no skip policy: where a ``late`` dead letter can only be a mistake (the
-# check in ``Simulation._apply``) and a drop over a finished record stalls a key after a restart.
+# crashes, on one pod with no skip policy (the fast path on or off): where a ``late`` dead letter
+# can only be a mistake (the check in ``Simulation._apply``) and a drop over a finished record
+# stalls a key after a restart.
 _FOCUSED_OPS = (
     *("ingest", "ingest", "pubsub_ack", "take", "take", "app_ack", "app_ack", "commit_acks", "commit_acks"),
     *("flush", "tick", "crash", "arm_crash", "lose_answer", "redeliver", "stale_copy", "drops", "page"),
@@ -599,7 +600,7 @@ def _focused_configs(draw: st.DrawFn) -> SimConfig:
         keys=draw(st.integers(1, 2)),
         per_key=draw(st.integers(2, 5)),
         max_in_flight=draw(st.integers(1, 2)),
-        fast_path=True,
+        fast_path=draw(st.booleans()),
         paged=draw(st.booleans()),
         page_size=draw(st.integers(1, 3)),
     )
