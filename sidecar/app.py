@@ -19,7 +19,8 @@ up to ``sharding.drain_timeout`` for the app's acks) and hand every lease over a
 app streams (what is left is given back: it is pending in Firestore and the shards' next owners
 deliver it) -> stop runtimes (queued acks commit) -> close clients. Every step runs even if an earlier
 one failed. A component that fails for good stops the process the same way with exit code 1, so
-that Kubernetes restarts it; an invalid config file exits 2 with one line on stderr.
+that Kubernetes restarts it; an invalid config file exits 2 with one line on stderr, and so does
+no way to reach Pub/Sub or Firestore (no emulator variable, no credentials: ``sidecar.credentials``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar import credentials
 from sidecar.config import ConfigError, SidecarConfig, SubscriptionConfig, config_error_exit, load_config
+from sidecar.credentials import require_google_access
 from sidecar.deadletter import DeadLetterPublisher
 from sidecar.engine.types import Deliver
 from sidecar.grpc_server import GrpcServer
@@ -595,6 +598,9 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.grace_period > 0:
         print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
         return EXIT_USAGE
+    watermark = any(sub.ordering.mode == "watermark" for sub in config.subscriptions)
+    # GoogleAccessMissing: one line and exit 2 (sidecar.cli), before any client or log line.
+    require_google_access([credentials.PUBSUB, credentials.FIRESTORE, *([credentials.MONITORING] * watermark)])
     try:
         setup_logging(args.log_format, args.log_level)
     except ValueError as exc:

@@ -2,6 +2,10 @@
 
 Each subcommand lives in its own module and is imported only when chosen, so `pubsub-sidecar
 emulators` never loads the sidecar and `pubsub-sidecar run` never loads the emulators.
+
+A command that cannot reach Google (no emulator variable, no credentials) raises
+``GoogleAccessMissing`` (``sidecar.credentials``): printed here as one line naming what to set, exit
+code 2, like a config error.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from sidecar.credentials import GoogleAccessMissing
 
 EXIT_USAGE = 2
 """Exit code for a command line or config file the user must fix (argparse uses it too)."""
@@ -104,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(func(args) or 0)
+    except GoogleAccessMissing as exc:
+        print(f"pubsub-sidecar {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

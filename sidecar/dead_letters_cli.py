@@ -13,7 +13,8 @@ Rules this module keeps:
 - ``replay`` sends the selected messages back to their topic and acks each only once Pub/Sub
   has its replay (``sidecar.dead_letter_replay``); ``--dry-run`` shows what would go where.
 - Exit codes: 0 when the command did what was asked, including when nothing matches (it says so);
-  2 for a bad argument or a dead-letter subscription that does not exist (one line on stderr);
+  2 for a bad argument, a dead-letter subscription that does not exist, or no way to reach Pub/Sub
+  (neither ``PUBSUB_EMULATOR_HOST`` nor credentials: ``sidecar.credentials``) (one line on stderr);
   1 when Pub/Sub failed the command half-way (one line; what was not acked is given back).
 """
 
@@ -108,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from sidecar.credentials import PUBSUB, require_google_access
     from sidecar.dead_letters import (
         BadSubscriptionName,
         DeadLetterSubscription,
@@ -132,6 +134,8 @@ def run_command(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"pubsub-sidecar dead-letters: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # GoogleAccessMissing: one line and exit 2 (sidecar.cli), before the Pub/Sub client is made.
+    require_google_access([PUBSUB])
     setup_logging("json", "WARNING", stream=sys.stderr)
     _DECISIONS.setLevel(logging.INFO)
     queue = DeadLetterSubscription(path, lease_seconds=lease_seconds)
