@@ -53,7 +53,7 @@ from sidecar.listening import ListenError, ensure_tcp_port_free
 from sidecar.logs import setup_logging
 from sidecar.observability import HttpEndpoint, Metrics, NotReady, Readiness, SubscriptionMetrics
 from sidecar.ownership import ShardOwnership
-from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.runtime import RECOVERY_STALL_SECONDS, SubscriptionRuntime, SubscriptionUnavailable, _first_cause
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreError, SubscriptionStoreConfig
 from sidecar.store.firestore import FirestoreStore, check_deployment
@@ -309,9 +309,12 @@ class Sidecar:
             if task is stop_wait:
                 continue
             what = watchers[task]
-            if not task.cancelled() and task.exception() is not None:
-                self.failure = task.exception()
-                _LOGGER.critical("%s failed; stopping: %s", what, self.failure, exc_info=self.failure)
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                self.failure = failure
+                # The cause, not a TaskGroup's "unhandled errors" wrapper: the line must say why (a
+                # document of a newer layout names itself and says to upgrade: docs/upgrades.md).
+                _LOGGER.critical("%s failed; stopping: %s", what, _first_cause(failure), exc_info=failure)
             else:
                 self.failure = RuntimeError(f"{what} ended unexpectedly")
                 _LOGGER.critical("%s ended unexpectedly; stopping", what)
