@@ -58,3 +58,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis examples/node/node_modules
+
+# The container image (docs/image.md): scripts/image/build.sh builds it with buildah FROM scratch,
+# out of Debian bookworm's packages and the locked wheels (no base image, no daemon), smoke-tests
+# it against the emulators in a read-only chroot as uid 10001, writes build/image/digest and
+# build/image/sbom.cdx.json and pins the digest in k8s/overlays/example. Needs root. podman and
+# buildah come from Debian's packages, installed here when missing.
+.PHONY: image image-tools
+image: $(STAMP) image-tools
+	scripts/image/build.sh
+
+image-tools:
+	@missing=""; for tool in podman buildah; do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "image-tools: installing$$missing with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing; \
+	fi
