@@ -12,6 +12,8 @@ Rules:
   ``SEARCH_DEADLINE_SECONDS``: where nothing answers at the metadata address, google.auth pings it 3
   times with a 3 s timeout each and backs off in between (over 10 s); the bound turns that into the
   same one line. Its WARNING logs about the unavailable metadata server are kept out of the output.
+  Where a metadata server is only slow to start (a new GKE node), the command exits 2 and the
+  container's restart searches again.
 - Whatever is missing becomes ``GoogleAccessMissing``, whose ``str()`` is one line: what is missing,
   the emulator variables to export (as `pubsub-sidecar emulators` prints them) or the credential to
   set. ``sidecar.cli`` prints it as ``pubsub-sidecar <command>: <line>`` and exits 2, like a config

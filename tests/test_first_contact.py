@@ -170,6 +170,7 @@ def test_commands_that_talk_to_the_sidecar_need_no_credentials(home: Path, tmp_p
     assert "credentials" not in line and "EMULATOR_HOST" not in line
 
 
+@pytest.mark.e2e
 def test_the_demo_needs_no_export_and_no_credentials(home: Path, tmp_path: Path) -> None:
     result = _run(["demo", "--orders", "2"], _env(home), tmp_path)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])

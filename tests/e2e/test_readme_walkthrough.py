@@ -244,6 +244,8 @@ def test_the_quick_start_runs_as_written(workdir: Path) -> None:
         while not waiting and time.monotonic() < deadline:  # until the sidecar holds seq 6
             output = _foreground(exports + status, env, workdir)
             waiting = [line for line in output.splitlines() if "order-1" in line and "waiting_sequence" in line]
+            if not waiting:
+                time.sleep(0.2)  # poll interval
         assert waiting and "5" in waiting[0], output
         # "7. Stop with Ctrl-C ... and exits 0."
         assert sidecar.ctrl_c(STEP_SECONDS) == 0, sidecar.output.tail()
