@@ -49,7 +49,10 @@ class GoogleAccessMissing(Exception):
 
 def require_google_access(services: Iterable[str], env: Mapping[str, str] | None = None) -> None:
     """Raise ``GoogleAccessMissing`` unless every service in ``services`` (emulator variable names)
-    has its emulator variable set or Application Default Credentials can be found."""
+    has its emulator variable set or Application Default Credentials can be found.
+
+    ``env`` (default ``os.environ``) is where the emulator variables and ``GOOGLE_APPLICATION_CREDENTIALS``
+    are read; the search itself is google.auth's, over ``os.environ``."""
     environ = os.environ if env is None else env
     unset = [name for name in dict.fromkeys(services) if not environ.get(name, "").strip()]
     if not unset:
@@ -71,7 +74,7 @@ def _names(names: list[str]) -> str:
 
 def _credentials_problem(environ: Mapping[str, str]) -> str | None:
     """Why Application Default Credentials cannot be had (one clause), or None when they can."""
-    named = environ.get(CREDENTIALS_FILE_ENV)
+    named = environ.get(CREDENTIALS_FILE_ENV) or None  # empty is unset, as google.auth reads it
     if named is not None and not os.path.isfile(named):
         return f"{CREDENTIALS_FILE_ENV} names {named!r}, which is not a file"
     from google.auth.exceptions import DefaultCredentialsError
@@ -83,9 +86,7 @@ def _credentials_problem(environ: Mapping[str, str]) -> str | None:
 
         try:
             google.auth.default()
-        except DefaultCredentialsError as exc:
-            outcome.append(exc)
-        except Exception as exc:  # a malformed file fails in other ways too (ValueError, KeyError)
+        except Exception as exc:  # DefaultCredentialsError, or a malformed file's ValueError & co.
             outcome.append(exc)
         else:
             outcome.append(None)

@@ -114,6 +114,20 @@ def test_run_without_emulator_exports_or_credentials_names_what_to_set(
         assert f"GOOGLE_APPLICATION_CREDENTIALS names {named!r}, which is not a file" in line
 
 
+def test_an_unusable_credentials_file_is_named_with_google_s_reason(home: Path, tmp_path: Path) -> None:
+    key = tmp_path / "key.json"
+    key.write_text("{}")
+    args = ["dead-letters", "list", "--dead-letter-subscription", "projects/demo-project/subscriptions/dl"]
+    line = _one_line(_run(args, _env(home, credentials_file=str(key)), tmp_path), "dead-letters")
+    assert line.startswith("pubsub-sidecar dead-letters: the Google credentials cannot be used (")
+    assert str(key) in line and "and PUBSUB_EMULATOR_HOST is not set" in line
+
+
+def test_an_empty_credentials_variable_is_taken_as_unset(home: Path, config: Path, tmp_path: Path) -> None:
+    line = _one_line(_run(["run", "--config", str(config)], _env(home, credentials_file=""), tmp_path), "run")
+    assert line.startswith("pubsub-sidecar run: no Google credentials found")
+
+
 def test_a_forgotten_export_is_named_alone(home: Path, config: Path, tmp_path: Path) -> None:
     env = _env(home, PUBSUB_EMULATOR_HOST="127.0.0.1:1")
     line = _one_line(_run(["run", "--config", str(config)], env, tmp_path), "run")
