@@ -9,6 +9,11 @@
 # interpreter path exists), with no compiler, no pip and no build files. Every dependency ships
 # manylinux wheels (grpcio, protobuf, pydantic-core), so the builder needs no compiler either.
 # Runs as uid/gid 10001, the user the Kubernetes manifests in k8s/ run as.
+#
+# For `docker build` users. The image built and smoke-tested on this project's machines (which run
+# no Docker engine), and pinned by digest in k8s/overlays/example, is `make image`'s
+# (scripts/image/): the same runtime settings (scripts/image/Containerfile; a test keeps the two
+# the same) on Debian bookworm's python3.11 with hash-locked dependencies. docs/image.md.
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

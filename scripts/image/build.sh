@@ -13,6 +13,10 @@
 #                    made of, so a second build redoes only the project's own layer of work
 # and the image itself in the local container storage as localhost/pubsub-sidecar:VERSION.
 #
+# The project's files come from the working tree (as `docker build .` takes them), or from a commit
+# with IMAGE_SOURCE=REV (`make image IMAGE_SOURCE=HEAD`): the digest to commit is then the image of
+# that commit's files, which committing the digest does not change.
+#
 # Needs root (chroot, mounts in a private mount namespace), podman, buildah, apt-get, dpkg-deb and
 # the project's .venv (the smoke test runs the emulators and the client from there).
 set -euo pipefail
@@ -24,7 +28,6 @@ py=${PYTHON:-.venv/bin/python}
 out=build/image
 cache=$out/cache
 work=$out/work
-started=$(date +%s)
 
 [ "$(id -u)" = 0 ] || die "make image needs root: chroot and mount build and smoke-test the root filesystem"
 for tool in podman buildah apt-get apt-cache dpkg-deb unshare chroot tar; do
@@ -83,11 +86,22 @@ fi
 
 # 4. The project: its two distributions, built from a copy of what the Dockerfile copies.
 rm -rf "$work" && mkdir -p "$work/src" "$work/project-wheels" "$work/context" "$work/rootfs"
-tar --create --exclude=__pycache__ --exclude='*.egg-info' --exclude=build --exclude=node_modules \
-  pyproject.toml README.md sidecar bench clients/python | tar --extract --directory "$work/src"
+sources=(pyproject.toml README.md sidecar bench clients/python)
+if [ -n "${IMAGE_SOURCE:-}" ]; then
+  log "the project's files from $IMAGE_SOURCE ($(git rev-parse --short "$IMAGE_SOURCE^{commit}"))"
+  git archive --format=tar "$IMAGE_SOURCE" -- "${sources[@]}" | tar --extract --directory "$work/src"
+else
+  tar --create --exclude=__pycache__ --exclude='*.egg-info' --exclude=build --exclude=node_modules \
+    "${sources[@]}" | tar --extract --directory "$work/src"
+  changed=$(git status --porcelain -- "${sources[@]}" 2>/dev/null | wc -l)
+  if [ "$changed" != 0 ]; then
+    log "the project's files from the working tree: $changed differ from HEAD (IMAGE_SOURCE=HEAD builds HEAD's)"
+  fi
+fi
 "$py" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
   --wheel-dir "$work/project-wheels" "$work/src/clients/python" "$work/src" 2> >(grep -v "^WARNING: Location" >&2)
 tar --extract --file "$base" --directory "$work/rootfs" --numeric-owner
+log "the project's wheels, installed into the base"
 pip=(/build/tools/"$(cd "$cache/tools" && ls pip-*.whl)"/pip)
 in_root "$work/rootfs" --bind "$work/project-wheels:/build/wheels" --bind "$cache/tools:/build/tools" -- \
   "$VENV_IN_IMAGE/bin/python" "${pip[@]}" install --quiet --no-cache-dir --disable-pip-version-check \
@@ -95,6 +109,7 @@ in_root "$work/rootfs" --bind "$work/project-wheels:/build/wheels" --bind "$cach
   /build/wheels/pubsub_sidecar-"$version"-py3-none-any.whl
 in_root "$work/rootfs" -- "$VENV_IN_IMAGE/bin/pubsub-sidecar" --help >/dev/null
 
+log "the SBOM of the virtualenv"
 # 5. The SBOM of the virtualenv, by cyclonedx-py run by the image's Python (from a folder mounted
 #    only for it, so the environment it reads is exactly the image's).
 in_root "$work/rootfs" --bind "$cache/sbom-tool:/build/sbom-tool" -- "$VENV_IN_IMAGE/bin/python" -c \
@@ -114,18 +129,20 @@ buildah build --quiet --timestamp "$EPOCH" --layers=false --file "$work/context/
 current=$(podman image inspect --format '{{.Id}}' "$image")
 if [ -n "$previous" ] && [ "$previous" != "$current" ]; then podman rmi "$previous" >/dev/null 2>&1 || true; fi
 rm -rf "$out/oci"
+log "buildah push to the OCI layout $out/oci"
 buildah push --quiet --format oci --compression-format gzip "$image" "oci:$out/oci:pubsub-sidecar:$version"
 digest=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["manifests"][0]["digest"])' "$out/oci/index.json")
 
 # 7. Smoke test of the OCI layout just written (its layer, its config), then the outputs.
+log "smoke test"
 "$py" "$here/smoke_test.py" --layout "$out/oci" --work "$work/smoke" --log "$out/smoke.log"
 "$py" "$here/sbom.py" --python-sbom "$work/sbom-python.json" --debs "$debs" --layout "$out/oci" \
   --digest "$digest" --output "$out/sbom.cdx.json"
 echo "$digest" >"$out/digest"
 "$py" "$here/pin_digest.py" "$digest"
-size=$(podman image inspect --format '{{.Size}}' "$image")
+size=$(podman images --format '{{.Size}}' "$image")
 rm -rf "$work"
 log "built $image"
 log "digest $digest (build/image/digest; k8s/overlays/example pins it)"
-log "size $((size / 1000000)) MB uncompressed, $(( $(du -sb "$out/oci/blobs" | cut -f1) / 1000000 )) MB compressed (OCI layout)"
-log "done in $(($(date +%s) - started)) s"
+log "size $size uncompressed, $(( $(du -sb "$out/oci/blobs" | cut -f1) / 1000000 )) MB compressed (OCI layout)"
+log "done"

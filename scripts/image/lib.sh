@@ -6,7 +6,7 @@ EPOCH=315532800
 export SOURCE_DATE_EPOCH=$EPOCH
 VENV_IN_IMAGE=/opt/pubsub-sidecar
 
-log() { printf 'image: %s\n' "$*" >&2; }
+log() { printf "image: [%3ds] %s\n" "$SECONDS" "$*" >&2; }
 die() { log "$*"; exit 1; }
 
 # in_root ROOTFS [--bind HOST_DIR:PATH_IN_ROOTFS]... -- COMMAND...
