@@ -117,7 +117,9 @@ def test_overlay_sets_namespace_images_identity_and_resources() -> None:
     assert {r["metadata"]["namespace"] for r in resources} == {"orders"}
     images = {c["name"]: c["image"] for c in pod_containers(only(resources, "Deployment"))}
     assert images == {
-        SIDECAR_CONTAINER: "europe-west1-docker.pkg.dev/example-project/containers/pubsub-sidecar:0.1.0",
+        # By digest: the image `make image` built last (build/image/digest, docs/image.md).
+        SIDECAR_CONTAINER: "europe-west1-docker.pkg.dev/example-project/containers/pubsub-sidecar@"
+        + (OVERLAY.parents[2] / "build" / "image" / "digest").read_text().strip(),
         "app": "europe-west1-docker.pkg.dev/example-project/containers/orders-app:1.4.2",
     }
     annotations = only(resources, "ServiceAccount")["metadata"]["annotations"]
