@@ -15,14 +15,14 @@
 # - uid/gid 10001 `sidecar` exists in /etc/passwd and /etc/group, the user the manifests run as.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-# shellcheck source=lib.sh
+# shellcheck source=scripts/image/lib.sh
 . "$here/lib.sh"
 debs=$1 wheels=$2 tools=$3 out=$4
 rootfs="$out.rootfs"
 rm -rf "$rootfs"
 mkdir -p "$rootfs"
 
-log "base: unpacking $(ls "$debs"/*.deb | wc -l) Debian packages"
+log "base: unpacking $(find "$debs" -name "*.deb" | wc -l) Debian packages"
 mkdir -p "$rootfs/var/lib/dpkg"
 for deb in "$debs"/*.deb; do
   dpkg-deb --extract "$deb" "$rootfs"

@@ -22,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 here=scripts/image
-# shellcheck source=lib.sh
+# shellcheck source=scripts/image/lib.sh
 . "$here/lib.sh"
 py=${PYTHON:-.venv/bin/python}
 out=build/image
@@ -33,6 +33,10 @@ work=$out/work
 for tool in podman buildah apt-get apt-cache dpkg-deb unshare chroot tar; do
   command -v "$tool" >/dev/null || die "'$tool' is missing (make image installs podman and buildah with apt-get)"
 done
+# The packages come from the host's apt sources: they must be Debian 12's (the SBOM says debian-12).
+# shellcheck source=/dev/null
+os_id=$(. /etc/os-release && echo "${ID:-}-${VERSION_ID:-}")
+[ "$os_id" = debian-12 ] || die "make image takes the image's packages from the host's apt: run it on Debian 12 (bookworm), not $os_id"
 version=$("$py" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 image=localhost/pubsub-sidecar:$version
 mkdir -p "$cache" "$work"
@@ -98,6 +102,9 @@ else
     log "the project's files from the working tree: $changed differ from HEAD (IMAGE_SOURCE=HEAD builds HEAD's)"
   fi
 fi
+# One set of modes whatever the umask of the checkout or of git archive (644, 755 where executable):
+# the modes go into the wheels, whose hashes go into the image.
+chmod -R u=rwX,go=rX "$work/src"
 "$py" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
   --wheel-dir "$work/project-wheels" "$work/src/clients/python" "$work/src" 2> >(grep -v "^WARNING: Location" >&2)
 tar --extract --file "$base" --directory "$work/rootfs" --numeric-owner

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2016,SC2034
 # Shared by scripts/image/base.sh and build.sh (sourced, not run).
 
 # Every timestamp in the image, and SOURCE_DATE_EPOCH for the tools that read it (pip's .pyc files
