@@ -352,7 +352,14 @@ def problems(commands: list[Command], want: Expected) -> list[str]:
         any(f"iam.gke.io/gcp-service-account={keda_gsa}" in c.args for c in annotations),
         f"keda-operator's ServiceAccount is not annotated with {keda_gsa}",
     )
-    check(any(commands[i].flags.get("-k") == "k8s/overlays/keda" for i in applies), "the KEDA overlay is not applied")
+    keda_apply = [i for i in applies if commands[i].flags.get("-k") == "k8s/overlays/keda"]
+    check(len(keda_apply) == 1, "`kubectl apply -k k8s/overlays/keda` is not run once")
+    # The keda overlay drops `replicas`: without this, client-side apply resets the Deployment to 1.
+    unset = [i for i in applies if commands[i].args == ["edit-last-applied", "deployment/orders-app"]]
+    check(
+        bool(unset) and bool(keda_apply) and unset[0] < keda_apply[0],
+        "`replicas` is not taken out of the last-applied configuration before the KEDA overlay",
+    )
     return found
 
 
@@ -429,6 +436,10 @@ DRIFTS: dict[str, tuple[Callable[[str], str], str]] = {
     "overlay-path": (
         _replace("kubectl apply -k k8s/overlays/example", "kubectl apply -k k8s/overlays/prod"),
         "example",
+    ),
+    "keda-replicas-reset": (
+        _replace('kubectl -n "$NAMESPACE" apply edit-last-applied deployment/orders-app\n', ""),
+        "last-applied",
     ),
     "keda-operator-account": (
         _replace('"keda-operator@$PROJECT.iam.gserviceaccount.com" \\', '"keda@$PROJECT.iam.gserviceaccount.com" \\'),
