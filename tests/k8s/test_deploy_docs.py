@@ -20,7 +20,6 @@ on mutated copies of the page to show that each kind of drift is caught.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -455,17 +454,24 @@ def test_drift_on_the_page_is_caught(tmp_path: Path, want: Expected, drift: str)
     assert any(mentioned in problem for problem in found), found
 
 
-def test_drift_in_the_config_is_caught(tmp_path: Path, want: Expected) -> None:
-    """The other side: a config that moves (a watermark subscription) needs the page to follow."""
+CONFIG_DRIFTS = {
+    "dead-letter-topic": ("topics/orders-dead-letter", "topics/payments-dead-letter", "payments-dead-letter"),
+    "subscription": ("subscriptions/orders-sidecar", "subscriptions/orders-v2", "orders-v2"),
+    "project": ("project: example-project", "project: other-project", "other-project"),
+    "dedup-window": ("ttl: 7d", "ttl: 3d", "dedup.ttl (3d)"),
+}
+
+
+@pytest.mark.parametrize("drift", CONFIG_DRIFTS)
+def test_drift_in_the_config_is_caught(tmp_path: Path, want: Expected, drift: str) -> None:
+    """The other side: when the overlay's sidecar.yaml moves, the unchanged page no longer matches it."""
+    old, new, mentioned = CONFIG_DRIFTS[drift]
     commands = page_commands(DEPLOY_DOC.read_text(), tmp_path / "run")
     overlay: list[Resource] = rendered_copy(OVERLAY)
     configmap = only(overlay, "ConfigMap")
-    text = configmap["data"]["sidecar.yaml"]
-    configmap["data"]["sidecar.yaml"] = text.replace(
-        "dead_letter_topic: projects/example-project/topics/orders-dead-letter",
-        "dead_letter_topic: projects/example-project/topics/payments-dead-letter",
-    )
-    os.makedirs(tmp_path / "config", exist_ok=True)
+    assert old in configmap["data"]["sidecar.yaml"]
+    configmap["data"]["sidecar.yaml"] = configmap["data"]["sidecar.yaml"].replace(old, new)
+    (tmp_path / "config").mkdir()
     want.config = loaded_config(overlay, tmp_path / "config")
     found = problems(commands, want)
-    assert any("payments-dead-letter" in problem for problem in found), found
+    assert any(mentioned in problem for problem in found), found
