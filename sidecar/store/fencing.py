@@ -34,16 +34,25 @@ Rules:
   an old owner can no more move it than a cursor.
 - Persist (intake: creates) is never fenced: any pod stores any message, and a create decides
   nothing about order.
-- **A drop never replaces a finished tombstone.** A ``dropped`` tombstone is written with one more
-  fence, on its own message document: ``state == pending`` (read in the same transaction). A
-  stale copy of a record the owner finished meanwhile (a read-back or a Listen snapshot older than
-  the owner's ack) would otherwise replace an ``acked`` tombstone, the only durable record of the
-  key's cursor until the next checkpoint, with one recovery does not fold: the next owner's cursor
-  would stop at a sequence no longer pending, and the key would wait for it for good. When that
-  fence fails the drop is moot and left out; the rest of the Commit is sent again.
+- **A drop never replaces a finished tombstone.** A ``dropped`` tombstone replaces its message
+  document only if that is still the pending record: the document is read first, outside any
+  transaction, and the drop is a compare-and-set on the version read (``update_time``). A stale
+  copy of a record the owner finished meanwhile (a read-back or a Listen snapshot older than the
+  owner's ack) would otherwise replace an ``acked`` tombstone, the only durable record of the key's
+  cursor until the next checkpoint, with one recovery does not fold: the next owner's cursor would
+  stop at a sequence no longer pending, and the key would wait for it for good. A record found no
+  longer pending makes its drop moot (left out); a compare-and-set that fails (the record changed
+  between the read and the Commit) fails the whole Commit, which is planned again from a new read.
+- **A transaction reads nothing but lease documents.** Firestore keeps a read-write transaction's
+  read locks until it commits, rolls back, or has been idle 60 s, and a process killed between
+  its reads and its Commit leaves them for that long; every write to a locked document waits
+  (transactions and plain writes alike). A drop's guard read inside the transaction would so lock
+  a message document that the next owner's acks write at once (its record was pending, so it is
+  delivered and acked again): all its acks in that Commit would wait up to a minute. A read
+  outside the transaction locks nothing; the compare-and-set keeps the guarantee.
 
 Cost: one lease read per shard touched per fenced Commit; nothing without fences; one read per
-dropped record (its guard), fenced or not.
+dropped record (its guard), fenced or not, and again after a failed compare-and-set.
 """
 
 from __future__ import annotations
@@ -243,27 +252,22 @@ class ShardWriter:
         """``items``' tombstones plus the due cursors and checkpoints of ``shards``, fenced; booked
         once durable. Lost shards are dropped and the rest is sent again until it applies."""
         moot: set[str] = set()
+        """Paths of drops found moot: their record is no longer pending."""
+        items = _without_redundant_drops(sub, items)
         while True:
             shards -= lost
-            items = [
-                item
-                for item in items
-                if sub.shard(item.message.key) not in lost and layout.message_path(sub.path, item.doc_id) not in moot
-            ]
+            items = [item for item in items if sub.shard(item.message.key) not in lost and not _moot(sub, item, moot)]
             if not shards:
                 return
             fences = self.acquire(sub, shards, lost)
             if lost & shards:
                 sub.forget(lost)
                 continue
+            versions = await self._pending_versions(sub, items, moot)
+            items = [item for item in items if not _moot(sub, item, moot)]
             writes: list[docs.Write] = []
-            guards: list[docs.Fence] = []
             for item in items:
                 path = layout.message_path(sub.path, item.doc_id)
-                if item.state == DROPPED:
-                    # A drop finishes a record that is still pending, never a tombstone: an acked one
-                    # carries the key's cursor until the next checkpoint (module docstring).
-                    guards.append(docs.Fence(path, {"state": layout.PENDING}))
                 fields = layout.tombstone_fields(
                     item.message,
                     item.state,
@@ -274,7 +278,12 @@ class ShardWriter:
                     aside=item.aside,
                     skipped=skips_of(item.ack) if item.ack is not None else (),
                 )
-                writes.append(docs.replace(path, fields))
+                if item.state == DROPPED:
+                    # A drop finishes a record that is still pending, never a tombstone: an acked one
+                    # carries the key's cursor until the next checkpoint (module docstring).
+                    writes.append(docs.compare_and_set(path, fields, versions[path]))
+                else:
+                    writes.append(docs.replace(path, fields))
                 writes += [docs.delete(f"{path}/chunks/{layout.chunk_doc_id(i)}") for i in range(item.chunks)]
             acks = [item.ack for item in items if item.ack is not None]
             dead = [i.dead_letter for i in items if i.dead_letter is not None and i.state == DEAD_LETTERED]
@@ -293,8 +302,13 @@ class ShardWriter:
                 overlays[shard] = plan.kept
             if not writes:
                 return
-            if not await self._send(sub, writes, fences, lost, guards, moot):
-                continue
+            try:
+                if not await self._send(sub, writes, fences, lost):
+                    continue
+            except docs.PreconditionFailed:
+                if not versions:
+                    raise
+                continue  # a dropped record changed since it was read: read it again
             sub.book.accept(proposed, now_ms, documents=spilled, overlays=overlays)
             for shard, clean in cleans.items():
                 sub.checkpointed(shard, clean, now_ms)
@@ -350,30 +364,41 @@ class ShardWriter:
             out[shard] = fence
         return out
 
+    async def _pending_versions(self, sub: Subscription, items: list[Finish], moot: set[str]) -> dict[str, int]:
+        """Read the message documents of ``items``' drops (one batched read, no transaction: it locks
+        nothing): the version of each still pending, by path; the others go to ``moot``."""
+        paths = [layout.message_path(sub.path, item.doc_id) for item in items if item.state == DROPPED]
+        if not paths:
+            return {}
+        _read_us, found = await self._documents.get_versioned(paths)
+        versions: dict[str, int] = {}
+        for path in paths:
+            record = found.get(path)
+            if (
+                record is None
+                or record.fields is None
+                or record.update_time_us is None
+                or record.fields.get("state") != layout.PENDING
+            ):
+                moot.add(path)
+            else:
+                versions[path] = record.update_time_us
+        return versions
+
     async def _send(
-        self,
-        sub: Subscription,
-        writes: list[docs.Write],
-        fences: dict[int, docs.Fence],
-        lost: set[int],
-        guards: list[docs.Fence] | None = None,
-        moot: set[str] | None = None,
+        self, sub: Subscription, writes: list[docs.Write], fences: dict[int, docs.Fence], lost: set[int]
     ) -> bool:
-        """Commit; False when a fence failed (its shards are then in ``lost`` and forgotten) or a
-        ``guards`` fence did (a drop's record is no longer pending: its path goes to ``moot``)."""
-        guards = guards or []
-        if not fences and not guards:
+        """Commit; False when a fence failed (its shards are then in ``lost`` and forgotten). A
+        compare-and-set that fails raises ``PreconditionFailed``."""
+        if not fences:
             await self._documents.commit(writes)  # no transaction: an unfenced Commit costs what it did
             return True
         try:
-            await self._documents.commit(writes, [*fences.values(), *guards])
+            await self._documents.commit(writes, list(fences.values()))
         except docs.Fenced as exc:
-            guarded = {guard.path for guard in guards} & set(exc.paths)
             failed = {shard for shard, fence in fences.items() if fence.path in exc.paths}
-            if not failed and not guarded:  # not told which: every one
-                failed, guarded = set(fences), {guard.path for guard in guards}
-            if moot is not None:
-                moot |= guarded
+            if not failed:  # not told which: every one
+                failed = set(fences)
             lost |= failed
             sub.forget(failed)
             return False
@@ -412,6 +437,26 @@ def _cursor_write(sub: Subscription, state: KeyState, shard: int, now_ms: int) -
     fields["written_ms"] = now_ms
     fields[layout.SHARD] = shard
     return docs.replace(f"{sub.path}/keys/{layout.key_doc_id(state.key)}", fields)
+
+
+def _moot(sub: Subscription, item: Finish, moot: set[str]) -> bool:
+    return item.state == DROPPED and layout.message_path(sub.path, item.doc_id) in moot
+
+
+def _without_redundant_drops(sub: Subscription, items: list[Finish]) -> list[Finish]:
+    """``items`` without the drops of a record that another item finishes too (a second copy of
+    the record in the call, or its ack): the drop would only replace that tombstone, and one
+    compare-and-set after a write to its own document can never apply."""
+    others = {layout.message_path(sub.path, item.doc_id) for item in items if item.state != DROPPED}
+    kept: list[Finish] = []
+    for item in items:
+        if item.state == DROPPED:
+            path = layout.message_path(sub.path, item.doc_id)
+            if path in others:
+                continue
+            others.add(path)
+        kept.append(item)
+    return kept
 
 
 def _split_group(group: list[Finish], per_commit: int) -> list[list[Finish]]:

@@ -12,7 +12,7 @@ from store_helpers import ack, client_of, documents, incoming
 from sidecar.engine.types import AckIntent
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
-from sidecar.store.api import PersistOutcome, ShardLost, StoreUnavailable, SubscriptionStoreConfig
+from sidecar.store.api import DROPPED, PersistOutcome, ShardLost, StoreUnavailable, SubscriptionStoreConfig
 from sidecar.store.document_store import DocumentStore
 from sidecar.store.memory_documents import MemoryDocuments
 
@@ -245,3 +245,60 @@ async def test_a_fenced_commit_that_fails_leaves_no_lock_on_the_lease_behind(mak
     # The emulator's lock wait is 20 s: a lingering transaction would hold this one up that long.
     await asyncio.wait_for(documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 2})], [fence]), 10)
     assert (await documents(client_of(store), f"{_ROOT}/keys"))["x"] == {"n": 2}
+
+
+async def test_a_drop_abandoned_after_its_reads_holds_no_lock_on_the_record_the_next_owner_acks(
+    make_store, emulator, monkeypatch
+):
+    """Run (g) of issue 27: a process killed between a fenced drop's reads and its Commit (no Rollback
+    ever comes). Firestore keeps a read-write transaction's read locks until it has been idle 60 s,
+    and every write to a locked document waits. The record it meant to drop is still pending, so the
+    next owner delivers it and its ack writes that document: had the drop read the record inside its
+    transaction, that ack (and every other ack in its Commit) would wait out lock timeouts. The drop
+    reads the record outside the transaction and compares-and-sets on the version read."""
+    from sidecar.emulators.faults import FaultRule
+
+    key = "a"
+    shard = shard_of(key, _SHARDS)
+    dying = make_store(_CONFIG, fences=Leases("pod-a", {shard: 7}))
+    await _set_leases(dying, {shard: ("pod-a", 7)})
+    await dying.load("orders", 1000, shards=frozenset({shard}), epoch=7)
+    [stored] = [r.message for r in await dying.persist("orders", [incoming(key, 1)], 1000)]
+
+    async def killed(transaction: bytes) -> None:
+        return None  # a dead process rolls nothing back
+
+    monkeypatch.setattr(dying.documents, "_rollback", killed)
+    emulator.injector.add(FaultRule("firestore", "Commit", remaining=1))
+    with pytest.raises(StoreUnavailable):
+        await dying.mark_done("orders", [stored], DROPPED, 2000, epochs={shard: 7})
+
+    # The pod restarted: a new owner id and epoch, which loads the shard and acks the pending record.
+    await _set_leases(dying, {shard: ("pod-a2", 8)})
+    next_owner = make_store(_CONFIG, fences=Leases("pod-a2", {shard: 8}))
+    snapshot = await next_owner.load("orders", 3000, shards=frozenset({shard}), epoch=8)
+    assert [m.dedup_id for m in snapshot.pending] == [stored.dedup_id]
+    # The emulator's lock wait is 20 s (then ABORTED, and the retry waits again): a lock left on the
+    # record would hold this up that long. The abandoned transaction's read of the lease holds up
+    # younger reads of it for at most 5 s (the emulator's rule for an idle older transaction).
+    await asyncio.wait_for(next_owner.commit_acks("orders", [ack(stored, 2)], 3000, epochs={shard: 8}), 15)
+    assert {fields["state"] for fields in (await documents(client_of(next_owner), f"{_ROOT}/messages")).values()} == {
+        "acked"
+    }
+
+
+async def test_a_blip_on_a_fenced_commits_begin_or_lease_read_is_retried_inside_the_commit(make_store, emulator):
+    """Under an error rate each of a fenced commit's three calls fails now and then: at 20% a commit
+    that gave up on any of them would fail half the time, and the acks behind it wait out the
+    runtime's growing backoff (run (g) of issue 27: acks confirmed 16 s late). The Begin and the
+    lease read are idempotent and retried at once; only the Commit's failure reaches the caller."""
+    from sidecar.emulators.faults import FaultRule
+
+    store = make_store(_CONFIG)
+    documents_ = store.documents
+    await _set_leases(store, {0: ("pod-a", 7)})
+    fence = docs.Fence(_lease(0), {"owner": "pod-a", "epoch": 7})
+    emulator.injector.add(FaultRule("firestore", "BeginTransaction", remaining=1))
+    emulator.injector.add(FaultRule("firestore", "BatchGetDocuments", remaining=2))
+    await documents_.commit([docs.replace(f"{_ROOT}/keys/x", {"n": 1})], [fence])
+    assert (await documents(client_of(store), f"{_ROOT}/keys"))["x"] == {"n": 1}

@@ -3,6 +3,8 @@ flush: ``DocumentStore`` over ``MemoryDocuments`` (Firestore's semantics in memo
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from store_helpers import incoming
@@ -59,6 +61,46 @@ def _doc(documents: MemoryDocuments, message: Message) -> dict[str, Any]:
 # ---- drops ----------------------------------------------------------------------------------------
 
 
+async def test_a_record_finished_between_a_drops_read_and_its_commit_keeps_its_tombstone() -> None:
+    """The drop reads its record outside the transaction, so the owner's ack may land before the
+    drop's Commit: the drop is a compare-and-set on the version read, fails, and is planned again
+    from a new read, which finds the record finished: the drop is moot, the tombstone stays."""
+    documents, clock = MemoryDocuments(), Clock(10_000)
+    store = _store(documents, clock, fenced=True)
+    documents.docs[_LEASE] = {"owner": "me", "epoch": 1}
+    await store.load(SUB, clock())
+    [first] = await _stored(store, "k", 1)
+    assert first.payload is not None
+    path = layout.message_path(_ROOT, first.payload.ref)
+    acked = {**documents.docs[path], "state": "acked", "cursor_seq": 2}
+    read_versions = documents.get_versioned
+    raced: list[str] = []
+
+    async def read_then_finish(paths: Sequence[str]) -> tuple[int, dict[str, docs.Versioned]]:
+        found = await read_versions(paths)
+        if path in paths and not raced:  # the owner's ack lands between the read and the Commit
+            raced.append(path)
+            await documents.commit([docs.replace(path, acked)])
+        return found
+
+    documents.get_versioned = read_then_finish  # type: ignore[method-assign]
+    await store.mark_done(SUB, [first], DROPPED, clock())
+    assert raced == [path]
+    assert _doc(documents, first) == acked, "the drop replaced the tombstone written after its read"
+
+
+async def test_two_copies_of_one_record_dropped_in_one_call_write_one_tombstone() -> None:
+    """Two copies of a record (a Pub/Sub redelivery beside the original) dropped together address one
+    document: one compare-and-set, not two (the second, after the first, could never apply)."""
+    documents, clock = MemoryDocuments(), Clock(10_000)
+    store = _store(documents, clock, fenced=True)
+    documents.docs[_LEASE] = {"owner": "me", "epoch": 1}
+    await store.load(SUB, clock())
+    [first] = await _stored(store, "k", 1)
+    await asyncio.wait_for(store.mark_done(SUB, [first, first], DROPPED, clock()), 5)
+    assert _doc(documents, first)["state"] == DROPPED
+
+
 async def test_a_drop_never_replaces_an_acked_tombstone_and_finishes_a_pending_record() -> None:
     documents, clock = MemoryDocuments(), Clock(10_000)
     store = _store(documents, clock)
@@ -72,8 +114,8 @@ async def test_a_drop_never_replaces_an_acked_tombstone_and_finishes_a_pending_r
     await store.mark_done(SUB, [first, second], DROPPED, clock())
     assert _doc(documents, first) == acked, "the drop replaced the acked tombstone that carries the cursor"
     assert _doc(documents, second)["state"] == DROPPED
-    # One guard read per dropped record; the Commit is sent again without the moot one.
-    assert documents.reads - reads == 2 + 1
+    # One guard read per dropped record, before the Commit (none inside it): the moot one is left out.
+    assert documents.reads - reads == 2
     # A restart folds the acked tombstone: the cursor is past 1.
     cursor = _store(documents, clock)
     snapshot = await cursor.load(SUB, clock())
