@@ -11,11 +11,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from aiohttp import web
 
 from sidecar.emulators.pubsub_counters import RpcCounters
+from sidecar.emulators.pubsub_model import Subscription
 from sidecar.emulators.pubsub_names import InvalidName, parse_subscription
 from sidecar.emulators.pubsub_replay import Replay
 from sidecar.emulators.pubsub_state import Broker
@@ -42,6 +45,7 @@ class PubsubAdmin:
             web.get("/pubsub/counters", self._get_counters),
             web.post("/pubsub/counters/reset", self._reset_counters),
             web.get("/pubsub/leases", self._get_leases),
+            web.get("/pubsub/unacked", self._get_unacked),
         ]
 
     # -- RPC counters and leases -------------------------------------------------------------
@@ -54,6 +58,12 @@ class PubsubAdmin:
         return web.json_response(asdict(self.counters))
 
     async def _get_leases(self, request: web.Request) -> web.Response:
+        return self._report(request, self.broker.lease_report)
+
+    async def _get_unacked(self, request: web.Request) -> web.Response:
+        return self._report(request, self.broker.unacked_report)
+
+    def _report(self, request: web.Request, report: Callable[[Subscription], list[dict[str, Any]]]) -> web.Response:
         name = request.query.get("subscription", "")
         try:
             parse_subscription(name)
@@ -62,7 +72,7 @@ class PubsubAdmin:
         sub = self.broker.subscriptions.get(name)
         if sub is None:
             return web.json_response({"error": f"subscription: {name} does not exist"}, status=404)
-        return web.json_response(self.broker.lease_report(sub))
+        return web.json_response(report(sub))
 
     # -- delay deliveries --------------------------------------------------------------------
 

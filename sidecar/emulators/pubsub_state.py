@@ -445,6 +445,14 @@ class Broker:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def unacked_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """Every unacked message of the subscription, oldest first: message id, attempts, leased."""
+        leased = {lease.pending.seq for lease in sub.leases.values()}
+        return [
+            {"message_id": p.message.message_id, "delivery_attempt": p.attempts, "leased": p.seq in leased}
+            for p in sub.unacked.values()
+        ]
+
     def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
         """The subscription's live leases: message id, attempt, seconds left and modacks so far."""
         now = self._now()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -55,6 +56,11 @@ _SWEEP_EVERY = 256
 """Begins between sweeps of expired transactions, so abandoned ones cannot pile up."""
 
 Signature = list[tuple[str, int]]
+
+_LOGGER = logging.getLogger(__name__)
+_SLOW_WAIT_SECONDS = 1.0
+"""A lock wait at least this long is logged (which documents, behind which transactions): a client
+held back by a transaction abandoned by a killed process shows up in the emulator's output."""
 
 
 @dataclass
@@ -183,18 +189,37 @@ class TransactionManager:
         rule 1; for a Commit's writes: none live, rule 2); ABORTED after the lock timeout."""
         idle_limit = MAX_IDLE_SECONDS if to_write else self._read_gate_idle
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._lock_timeout
-        while blockers := self._older_readers(tx, names, idle_limit):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                self.end(tx)
-                raise aborted("Transaction lock timeout.")
-            # Wake when a blocker ends, or when the first of them stops counting (idle past the
-            # limit, or expired) without anyone ending it: an abandoned one is ended by nobody.
-            lapses = min(blocker.last_used for blocker in blockers) + idle_limit - self._monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, min(remaining, lapses)) + 0.001)
-            tx.last_used = self._monotonic()  # waiting inside an RPC is being used
+        began = loop.time()
+        deadline = began + self._lock_timeout
+        seen: dict[bytes, Transaction] = {}
+        try:
+            while blockers := self._older_readers(tx, names, idle_limit):
+                seen.update((blocker.id, blocker) for blocker in blockers)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    self.end(tx)
+                    raise aborted("Transaction lock timeout.")
+                # Wake when a blocker ends, or when the first of them stops counting (idle past the
+                # limit, or expired) without anyone ending it: an abandoned one is ended by nobody.
+                lapses = min(blocker.last_used for blocker in blockers) + idle_limit - self._monotonic()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, min(remaining, lapses)) + 0.001)
+                tx.last_used = self._monotonic()  # waiting inside an RPC is being used
+        finally:
+            waited = loop.time() - began
+            if waited >= _SLOW_WAIT_SECONDS:
+                now = self._monotonic()
+                _LOGGER.warning(
+                    "transaction %s waited %.1f s to %s %s behind older transactions %s",
+                    tx.id.hex()[:12],
+                    waited,
+                    "write" if to_write else "read",
+                    ", ".join(sorted(names)[:4]) + (f" (+{len(names) - 4})" if len(names) > 4 else ""),
+                    ", ".join(
+                        f"{b.id.hex()[:12]} (begun {now - b.started:.1f} s, used {now - b.last_used:.1f} s ago)"
+                        for b in seen.values()
+                    ),
+                )
 
     def validate(self, tx: Transaction, store: DocumentStore) -> None:
         """ABORTED (and the transaction ended) if anything it read has changed since."""
