@@ -47,6 +47,11 @@ PROJECT = "e2e-project"
 START_TIMEOUT_SECONDS = 60.0
 """Two cores shared with other tests: a cold `python -m sidecar` with the Google clients takes seconds."""
 
+LOG_DIR = os.environ.get("E2E_LOG_DIR")
+"""When set, every sidecar start's whole output is also written there (``<test dir>-<config>-<start>.log``,
+and the emulators' as ``emulators-*.log``), and
+``E2E_LOG_LEVEL`` (default INFO) sets its log level: for finding why a long run failed."""
+
 WAIT_SECONDS = 60.0
 """Default deadline for a test's polls: generous, since other suites may share the two cores."""
 
@@ -95,10 +100,11 @@ async def async_poll(
 class OutputPump:
     """Reads a process's output in a thread, keeping every line (for diagnostics and parsing)."""
 
-    def __init__(self, stream: Any, echo_prefix: str | None = None) -> None:
+    def __init__(self, stream: Any, echo_prefix: str | None = None, copy_to: Path | None = None) -> None:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._echo = echo_prefix
+        self._copy = copy_to.open("w", encoding="utf-8") if copy_to is not None else None
         self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
         self._thread.start()
 
@@ -110,6 +116,11 @@ class OutputPump:
                 self._cond.notify_all()
             if self._echo is not None:
                 print(f"{self._echo}{line}", file=sys.stderr)
+            if self._copy is not None:
+                self._copy.write(raw)
+                self._copy.flush()
+        if self._copy is not None:
+            self._copy.close()
 
     def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float) -> bool:
         with self._cond:
@@ -158,7 +169,11 @@ class EmulatorsProcess:
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env({})
         )
-        self._out = OutputPump(self._proc.stdout)
+        copy_to = None
+        if LOG_DIR:
+            Path(LOG_DIR).mkdir(parents=True, exist_ok=True)
+            copy_to = Path(LOG_DIR) / f"emulators-{os.getpid()}-{id(self):x}.log"
+        self._out = OutputPump(self._proc.stdout, None, copy_to)
         wanted = ("PUBSUB_EMULATOR_HOST", "FIRESTORE_EMULATOR_HOST", "MONITORING_EMULATOR_HOST", "EMULATORS_ADMIN_URL")
 
         def has_all(lines: list[str]) -> bool:
@@ -217,6 +232,29 @@ class EmulatorsProcess:
         """The subscription's outstanding leases: ``message_id``, ``seconds_left``, ``extensions``."""
         return list(self.admin("GET", "/pubsub/leases?" + urllib.parse.urlencode({"subscription": subscription})))
 
+    def unacked(self, subscription: str) -> list[dict[str, Any]]:
+        """Every unacked message of the subscription: ``message_id``, ``delivery_attempt``, ``leased``."""
+        return list(self.admin("GET", "/pubsub/unacked?" + urllib.parse.urlencode({"subscription": subscription})))
+
+
+def dump_firestore(env: Mapping[str, str], path: Path) -> None:
+    """Every document of the emulated Firestore, as JSON lines (``path``, fields): a failed run's state."""
+    from google.cloud import firestore  # only for this diagnostic, so the suite does not load it
+
+    with emulator_env(env):
+        client = firestore.Client(project=PROJECT)
+    with path.open("w", encoding="utf-8") as out:
+
+        def walk(collections: Any) -> None:
+            for collection in collections:
+                for snapshot in collection.stream():
+                    record = {"path": snapshot.reference.path, **(snapshot.to_dict() or {})}
+                    out.write(json.dumps(record, default=repr) + "\n")
+                    walk(snapshot.reference.collections())
+
+        walk(client.collections())
+    client.close()  # type: ignore[no-untyped-call]
+
 
 _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")
 """``sidecar.app`` logs this once recovery is done; with port 0 it is how a test learns the ports."""
@@ -242,12 +280,17 @@ class SidecarProcess:
         cmd = [
             sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path),
             "--log-format", "json", "--grace-period", str(self.grace_period),
+            "--log-level", os.environ.get("E2E_LOG_LEVEL", "INFO"),
         ]  # fmt: skip
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_python_env(self.env)
         )
-        self._out = OutputPump(self._proc.stdout, "[sidecar] " if self.echo else None)
         self._starts += 1
+        copy_to = None
+        if LOG_DIR:
+            Path(LOG_DIR).mkdir(parents=True, exist_ok=True)
+            copy_to = Path(LOG_DIR) / f"{self.config_path.parent.name}-{self.config_path.stem}-{self._starts}.log"
+        self._out = OutputPump(self._proc.stdout, "[sidecar] " if self.echo else None, copy_to)
         self.grpc = self.http = ""
         if wait_ready:
             self.wait_ready()

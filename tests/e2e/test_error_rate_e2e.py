@@ -23,22 +23,28 @@ Checked from what the app saw and what the dead-letter subscription holds:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 from conftest import Scenario
 from e2e_harness import (
+    LOG_DIR,
     SidecarProcess,
     async_wait_drained,
     async_wait_until,
     check_acks_confirmed_within,
     check_confirmed_deliveries_are_final,
     check_sequence_guarantees,
+    dump_firestore,
     order_message,
 )
+
+from pubsub_sidecar_client import get_status
 
 pytestmark = [
     pytest.mark.e2e,
@@ -127,6 +133,13 @@ async def test_one_pod_under_an_error_rate_and_kill9s_dead_letters_nothing_and_c
     emulators.add_fault(service="pubsub", method="*", code="UNAVAILABLE", rate=PUBSUB_ERROR_RATE)
 
     traffic = _traffic(27 + lost_replies)
+    published: dict[tuple[str, int], list[str]] = {}
+
+    async def publish(messages: list[tuple[bytes, dict[str, str]]]) -> None:
+        ids = await scenario.pubsub.publish_all(sub.topic, messages)
+        for (_data, attributes), message_id in zip(messages, ids, strict=True):
+            published.setdefault((attributes["order_id"], int(attributes["seq"])), []).append(message_id)
+
     first, second = traffic[: len(traffic) // 2], traffic[len(traffic) // 2 : len(traffic) * 4 // 5]
     kills = 0
 
@@ -154,12 +167,12 @@ async def test_one_pod_under_an_error_rate_and_kill9s_dead_letters_nothing_and_c
         await kill9_and_restart("during recovery", ready=True)
 
     # Shuffled, a part of the traffic holds only each key's run from 1: wait for most of that.
-    await scenario.pubsub.publish_all(sub.topic, first)
+    await publish(first)
     await kill9_after_a_confirmation_then_during_recovery(_deliverable(first) * 2 // 3)
-    await scenario.pubsub.publish_all(sub.topic, second)
+    await publish(second)
     more = (_deliverable(first + second) - _deliverable(first)) // 2
     await kill9_after_a_confirmation_then_during_recovery(len(app.acks) + more)
-    await scenario.pubsub.publish_all(sub.topic, traffic[len(first) + len(second) :])
+    await publish(traffic[len(first) + len(second) :])
 
     expected = {f"e{k}": PER_KEY for k in range(KEYS)}
     every = {(key, seq) for key in expected for seq in range(1, PER_KEY + 1)}
@@ -170,6 +183,13 @@ async def test_one_pod_under_an_error_rate_and_kill9s_dead_letters_nothing_and_c
     try:
         await async_wait_until(lambda: not undelivered(), "every message under faults", 60)
     except AssertionError as exc:
+        if LOG_DIR:
+            await asyncio.to_thread(dump_firestore, emulators.env, Path(LOG_DIR) / f"firestore-{os.getpid()}.jsonl")
+            unacked = {m["message_id"]: m for m in emulators.unacked(sub.subscription)}
+            missing = {f"{key}#{seq}": [unacked.get(i, i) for i in published[key, seq]] for key, seq in undelivered()}
+            (Path(LOG_DIR) / f"pubsub-{os.getpid()}.json").write_text(json.dumps(missing, indent=1))
+            status = await get_status(sidecar.grpc, "orders", max_keys=100)
+            (Path(LOG_DIR) / f"status-{os.getpid()}.txt").write_text(str(status))
         raise AssertionError(f"{exc}: never delivered {undelivered()[:20]}") from None
     # Every ack has its answer, or has waited past the bound (the check then says which).
     await async_wait_until(
