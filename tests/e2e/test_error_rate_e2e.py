@@ -48,12 +48,14 @@ from pubsub_sidecar_client import get_status
 
 pytestmark = [
     pytest.mark.e2e,
-    # Opt in: on a loaded 2-core machine this run still ends, about once in twelve, with keys held
-    # after a kill during recovery (never delivered within 60 s of the faults' end): a liveness
-    # defect not found yet. Kept runnable so that it can be found: E2E_ERROR_RATE=1.
+    # Opt in: on a loaded 2-core machine about one case in ten still ends with one key held
+    # after the kills: its next message is redelivered by Pub/Sub again and again (leased, attempt
+    # 7) but reaches neither the engine (GetStatus: waiting for that sequence) nor Firestore. A
+    # liveness defect between the client's StreamingPull and the engine, not found yet. Kept
+    # runnable so that it can be found: E2E_ERROR_RATE=1, with E2E_LOG_DIR for the evidence.
     pytest.mark.skipif(
         os.environ.get("E2E_ERROR_RATE") != "1",
-        reason="run (g) holds keys after a kill during recovery about once in twelve runs; E2E_ERROR_RATE=1 runs it",
+        reason="run (g) holds a key after kill -9s in about one case in ten; E2E_ERROR_RATE=1 runs it",
     ),
 ]
 
@@ -190,6 +192,8 @@ async def test_one_pod_under_an_error_rate_and_kill9s_dead_letters_nothing_and_c
             (Path(LOG_DIR) / f"pubsub-{os.getpid()}.json").write_text(json.dumps(missing, indent=1))
             status = await get_status(sidecar.grpc, "orders", max_keys=100)
             (Path(LOG_DIR) / f"status-{os.getpid()}.txt").write_text(str(status))
+            metrics = (await asyncio.to_thread(sidecar.http_get, "/metrics"))[1]
+            (Path(LOG_DIR) / f"metrics-{os.getpid()}.txt").write_text(metrics)
         raise AssertionError(f"{exc}: never delivered {undelivered()[:20]}") from None
     # Every ack has its answer, or has waited past the bound (the check then says which).
     await async_wait_until(
