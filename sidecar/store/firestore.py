@@ -44,11 +44,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import logging
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.api_core import exceptions as core_exceptions
@@ -109,22 +110,20 @@ _READ_RETRY = retry_async.AsyncRetry(
 """Reads are idempotent: a short retry absorbs blips. Writes are not retried here (the callers
 retry with their own backoff, and an ambiguous create is resolved by reading it back)."""
 
-_TRANSACTION_STEP_RETRY = retry_async.AsyncRetry(
-    initial=0.05,
-    maximum=0.5,
-    multiplier=2.0,
-    timeout=3.0,
-    predicate=retry_async.if_exception_type(
-        core_exceptions.ServiceUnavailable,
-        core_exceptions.DeadlineExceeded,
-        core_exceptions.InternalServerError,
-    ),
+_T = TypeVar("_T")
+
+_TRANSACTION_STEP_ATTEMPTS = 3
+"""Tries of a fenced commit's BeginTransaction, and of its read of the fences, on a blip: both are
+idempotent (a Begin whose answer was lost leaves a transaction that holds nothing; a read again in
+the same transaction reads the same), so under an error rate a fenced commit fails about as often
+as its Commit alone, not as often as any of its three calls. ABORTED is not retried here: it ends
+the transaction, and the caller begins another."""
+
+_BLIPS: tuple[type[BaseException], ...] = (
+    core_exceptions.ServiceUnavailable,
+    core_exceptions.DeadlineExceeded,
+    core_exceptions.InternalServerError,
 )
-"""A fenced commit's BeginTransaction and its reads of the fences, retried at once on a blip: both
-are idempotent (a Begin whose answer was lost leaves a transaction that holds nothing; a read again
-in the same transaction reads the same), so under an error rate a fenced commit fails about as
-often as its Commit alone, not as often as any of its three calls. ABORTED is not retried here: it
-ends the transaction, and the caller begins another."""
 
 
 _FENCE_ATTEMPTS = 5
@@ -132,6 +131,16 @@ _FENCE_ATTEMPTS = 5
 
 _ROLLBACK_ATTEMPTS = 6
 """Tries of a Rollback while Firestore is unavailable (about 2 s with ``_fence_backoff_seconds``)."""
+
+
+async def _step(call: Callable[[], Awaitable[_T]]) -> _T:
+    """``call()`` (an idempotent step of a fenced commit), tried again at once on a blip."""
+    for attempt in range(_TRANSACTION_STEP_ATTEMPTS - 1):
+        try:
+            return await call()
+        except _BLIPS:
+            await asyncio.sleep(_fence_backoff_seconds(attempt))
+    return await call()
 
 
 def _fence_backoff_seconds(attempt: int) -> float:
@@ -283,11 +292,11 @@ class FirestoreDocuments:
                 await asyncio.sleep(_fence_backoff_seconds(attempt - 1))
             try:
                 # Before any read: a lost answer here leaves a transaction that holds no lock.
-                transaction = await self._begin(retry_of)
+                transaction = await _step(functools.partial(self._begin, retry_of))
             except (*_RETRYABLE, *_TERMINAL) as exc:
                 raise _translate(exc, "fenced commit") from exc
             try:
-                found = await self._batch_get(paths, transaction)
+                found = await _step(functools.partial(self._batch_get, paths, transaction))
                 failed = docs.failed_fences(fences, found)
                 if failed:
                     await self._rollback(transaction)
@@ -317,7 +326,7 @@ class FirestoreDocuments:
         raise docs.Unavailable(f"fenced commit: transaction aborted {_FENCE_ATTEMPTS} times: {aborted}")
 
     async def _begin(self, retry_of: bytes) -> bytes:
-        """BeginTransaction (read-write; retrying ``retry_of`` keeps its age), retried on a blip."""
+        """BeginTransaction (read-write; retrying ``retry_of`` keeps its age). Not retried here."""
         request = BeginTransactionRequest.pb()(database=self._database)
         request.options.read_write.SetInParent()
         if retry_of:
@@ -325,7 +334,7 @@ class FirestoreDocuments:
         response = await self.client._firestore_api.begin_transaction(
             request=BeginTransactionRequest.wrap(request),
             metadata=self.client._rpc_metadata,
-            retry=_TRANSACTION_STEP_RETRY,
+            retry=None,
             timeout=self._timeout,
         )
         return bytes(response._pb.transaction)
@@ -379,8 +388,7 @@ class FirestoreDocuments:
             raise _translate(exc, "read") from exc
 
     async def _batch_get(self, paths: Sequence[str], transaction: bytes) -> dict[str, docs.Fields | None]:
-        """BatchGetDocuments (inside ``transaction`` when given: retried on a blip, never on ABORTED,
-        which ends the transaction)."""
+        """BatchGetDocuments (inside ``transaction`` when given: not retried here, its ABORTED ends it)."""
         names = {self._name(path): path for path in paths}
         request = BatchGetDocumentsRequest.pb()(database=self._database, documents=list(names))
         if transaction:
@@ -389,7 +397,7 @@ class FirestoreDocuments:
         stream = await self.client._firestore_api.batch_get_documents(
             request=BatchGetDocumentsRequest.wrap(request),
             metadata=self.client._rpc_metadata,
-            retry=_TRANSACTION_STEP_RETRY if transaction else _READ_RETRY,
+            retry=None if transaction else _READ_RETRY,
             timeout=self._timeout,
         )
         async for response in stream:
