@@ -280,6 +280,11 @@ class Sidecar:
                 lease_seconds = s.config.sharding.lease_duration_ms / 1000
                 if not await s.leases.settled(timeout_seconds=lease_seconds):
                     _LOGGER.info("subscription %s: ingest starts before the first shards are loaded", name)
+            if s.runtime.failure is not None and s.runtime.task is not None:
+                # It failed while its first shards loaded (a document it cannot read): that cause,
+                # not an ingest refusing to start on a runtime that never recovered, stops the sidecar.
+                watchers[s.runtime.task] = f"runtime of {name}"
+                break
             await s.ingestor.start()
             watchers[asyncio.ensure_future(s.ingestor.run())] = f"ingest of {name}"
             if s.watermark is not None:
