@@ -514,6 +514,7 @@ def _metrics_snapshot(subs: Iterable[_Subscription]) -> list[SubscriptionMetrics
                 lease_blocked_shards=extra.get("lease_blocked", 0),
                 streaming_pull_failing=s.ingestor.pull_health.is_failing(),
                 streaming_pull_errors=dict(s.ingestor.pull_health.errors),
+                ingest_stages=s.ingestor.stages(),
             )
         )
     return snapshots

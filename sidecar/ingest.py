@@ -293,6 +293,8 @@ class Ingestor:
         """Set when the batch loop may have work: a message received, a persist slot freed,
         deferred messages back."""
         self._persist_slots = asyncio.Semaphore(max_concurrent_persists)
+        self._persisting_messages = 0
+        """Messages in a persist under way (``_persist_batch``)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._unsettled: dict[str, PubsubMessage] = {}
         """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
@@ -339,6 +341,21 @@ class Ingestor:
     def held_messages(self) -> int:
         """Messages received and not yet acked or nacked (persisting, waiting, or dead-lettering)."""
         return len(self._unsettled)
+
+    def stages(self) -> dict[str, int]:
+        """Messages received and not settled, by where they wait now (the ``ingest_messages`` gauge):
+        an operator's view of a stall between Pub/Sub and the engine."""
+        return {
+            "handoff": self.handoff_buffered,
+            "unsorted": len(self._pending),
+            "held": len(self._held),
+            "deferred": sum(len(items) for items in self._deferred.values()),
+            "to_store": len(self._to_store),
+            "storing": self._persisting_messages,
+            "fast_path": len(self._fast),
+            "nack_scheduled": len(self._nack_timers),
+            "unsettled": len(self._unsettled),
+        }
 
     async def start(self) -> None:
         """Open the streaming pull. The runtime must have recovered (it receives what is stored)."""
@@ -813,9 +830,11 @@ class Ingestor:
 
     async def _persist_batch(self, batch: list[_Item]) -> None:
         self.counters.persist_batches += 1
+        self._persisting_messages += len(batch)
         try:
             await self._store_batch(batch)
         finally:
+            self._persisting_messages -= len(batch)
             self._release_keys(batch)
             if self._fast_path and self._runtime.is_ready and not self._stopping:
                 # A message stored may be the predecessor its key's waiting messages lacked.

@@ -73,6 +73,8 @@ class SubscriptionMetrics:
     """Every StreamingPull failed for the bound, or the pull was closed for good (``PullHealth``)."""
     streaming_pull_errors: Mapping[str, int] = field(default_factory=dict)
     """Failed StreamingPull attempts by status code name, since the start."""
+    ingest_stages: Mapping[str, int] = field(default_factory=dict)
+    """Messages received and not settled with Pub/Sub, by where they wait (``Ingestor.stages``)."""
 
 
 class SidecarCollector(Collector):
@@ -168,6 +170,18 @@ class SidecarCollector(Collector):
             for code, count in sorted(snap.streaming_pull_errors.items()):
                 errors.add_metric([snap.subscription, code], count)
         yield errors
+        stages = GaugeMetricFamily(
+            f"{PREFIX}_ingest_messages",
+            "Messages received from Pub/Sub and not yet acked or nacked to it, by where they wait: handoff "
+            "(from the client's thread), unsorted, held (for a missing predecessor), deferred (behind a store "
+            "of their key), to_store, storing, fast_path (delivered unstored, ack not yet durable), "
+            "nack_scheduled (a failed store, given back after a backoff); unsettled counts them all (dead-letter publishes under way too).",
+            labels=["subscription", "stage"],
+        )
+        for snap in snapshots:
+            for stage, count in snap.ingest_stages.items():
+                stages.add_metric([snap.subscription, stage], count)
+        yield stages
 
 
 def _counter_families(docs: dict[str, str], snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:

@@ -207,6 +207,14 @@ async def test_a_message_behind_its_keys_persist_waits_for_it_then_takes_the_fas
     await h.publish_order("A", 3)
     await wait_until(lambda: h.counters.deferred == 1, "3 waits for 2's persist instead of being stored")
     assert (h.counters.fast_path, h.counters.persisted, h.counters.persist_batches) == (1, 0, 1)
+    assert h.ingestor is not None
+    stages = h.ingestor.stages()
+    assert {stage: n for stage, n in stages.items() if n} == {
+        "storing": 1,
+        "fast_path": 1,
+        "deferred": 1,
+        "unsettled": 3,
+    }, "where each of the three waits, for the ingest_messages gauge"
     gate.set()
     await wait_until(lambda: h.counters.fast_path == 2, "3 takes the fast path once 2 is stored")
     assert (h.counters.persisted, h.counters.persist_batches) == (1, 1), "only 2 was written"
@@ -217,6 +225,7 @@ async def test_a_message_behind_its_keys_persist_waits_for_it_then_takes_the_fas
         assert (delivered.message.sequence, delivered.message.volatile) == (seq, volatile)
         await h.runtime.ack("app", [delivered.delivery_id])
     await wait_until(lambda: h.counters.acked == 3, "all three acked in Pub/Sub once durable")
+    assert not any(h.ingestor.stages().values()), "nothing left waiting once all are acked"
 
 
 async def test_a_message_waits_for_its_keys_persist_only_once(make_harness: MakeHarness) -> None:
