@@ -22,6 +22,8 @@ MAX_RESPONSE_BYTES = 3 * 1024 * 1024 + 512 * 1024
 MAX_MESSAGES_PER_RESPONSE = 1000
 """Bounds one StreamingPull/Pull response so a large backlog is spread over several writes."""
 RESPONSE_OVERHEAD_BYTES = 64
+HISTORY_EVENTS = 32
+"""Events of one message kept for the admin report (``Pending.history``): the last ones."""
 """Per received message: ack id, delivery attempt and field tags around the message itself."""
 
 
@@ -48,6 +50,9 @@ class Pending:
     """Deliveries so far: 1 + nacks + expiries once delivered (``delivery_attempt``)."""
     release_token: int = 0
     """Matches the timer entry that may release it after a backoff or delay; anything else is stale."""
+    history: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=HISTORY_EVENTS))
+    """Its last deliveries, acks, nacks, extensions and expiries (monotonic seconds, what): the
+    admin route ``/pubsub/unacked`` shows them, to tell where a message that never arrives goes."""
 
     @property
     def ordering_key(self) -> str:

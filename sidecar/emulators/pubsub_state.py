@@ -324,6 +324,9 @@ class Broker:
             response_bytes += pending.size + RESPONSE_OVERHEAD_BYTES
             pending.attempts += 1
             lease = Lease(f"{next(self._ack_seq):x}-{pending.seq:x}", sub, pending, deadline, stream)
+            pending.history.append(
+                (now, f"leased {lease.ack_id} to {'a Pull' if stream is None else f'stream {id(stream):x}'}")
+            )
             sub.leases[lease.ack_id] = lease
             leases.append(lease)
         for lease in leases:
@@ -340,6 +343,7 @@ class Broker:
                 continue  # stale or unknown: production ignores it
             self._end_lease(lease)
             pending = lease.pending
+            pending.history.append((self._now(), f"acked {ack_id}"))
             sub.unacked.pop(pending.seq, None)
             if retain:
                 sub.acked[pending.seq] = pending
@@ -352,6 +356,7 @@ class Broker:
                 lease = sub.leases.pop(ack_id, None)
                 if lease is not None:
                     self._end_lease(lease)
+                    lease.pending.history.append((self._now(), f"nacked {ack_id}"))
                     self._redeliver(sub, lease.pending)
             return
         deadline = self._now() + seconds
@@ -361,6 +366,7 @@ class Broker:
                 # Shorter or longer alike: the new deadline counts from now, as production does.
                 lease.deadline = deadline
                 lease.extensions += 1
+                lease.pending.history.append((deadline - seconds, f"deadline of {ack_id} set to {seconds}s"))
                 self._push(deadline, _LEASE, lease)
 
     def _end_lease(self, lease: Lease) -> None:
@@ -446,10 +452,17 @@ class Broker:
         return asyncio.get_running_loop().time()
 
     def unacked_report(self, sub: Subscription) -> list[dict[str, Any]]:
-        """Every unacked message of the subscription, oldest first: message id, attempts, leased."""
+        """Every unacked message of the subscription, oldest first: message id, attempts, leased, and
+        its last events (seconds before now, what)."""
         leased = {lease.pending.seq for lease in sub.leases.values()}
+        now = self._now()
         return [
-            {"message_id": p.message.message_id, "delivery_attempt": p.attempts, "leased": p.seq in leased}
+            {
+                "message_id": p.message.message_id,
+                "delivery_attempt": p.attempts,
+                "leased": p.seq in leased,
+                "history": [f"-{now - when:.3f}s {what}" for when, what in p.history],
+            }
             for p in sub.unacked.values()
         ]
 
@@ -496,6 +509,7 @@ class Broker:
         if sub.leases.pop(lease.ack_id, None) is None:
             return
         self._end_lease(lease)
+        lease.pending.history.append((self._now(), f"lease {lease.ack_id} expired"))
         self._redeliver(sub, lease.pending)
 
     def close(self) -> None:

@@ -185,16 +185,17 @@ async def test_one_pod_under_an_error_rate_and_kill9s_dead_letters_nothing_and_c
     try:
         await async_wait_until(lambda: not undelivered(), "every message under faults", 60)
     except AssertionError as exc:
+        missing_now = undelivered()
         if LOG_DIR:
             await asyncio.to_thread(dump_firestore, emulators.env, Path(LOG_DIR) / f"firestore-{os.getpid()}.jsonl")
             unacked = {m["message_id"]: m for m in emulators.unacked(sub.subscription)}
-            missing = {f"{key}#{seq}": [unacked.get(i, i) for i in published[key, seq]] for key, seq in undelivered()}
+            missing = {f"{key}#{seq}": [unacked.get(i, i) for i in published[key, seq]] for key, seq in missing_now}
             (Path(LOG_DIR) / f"pubsub-{os.getpid()}.json").write_text(json.dumps(missing, indent=1))
             status = await get_status(sidecar.grpc, "orders", max_keys=100)
             (Path(LOG_DIR) / f"status-{os.getpid()}.txt").write_text(str(status))
             metrics = (await asyncio.to_thread(sidecar.http_get, "/metrics"))[1]
             (Path(LOG_DIR) / f"metrics-{os.getpid()}.txt").write_text(metrics)
-        raise AssertionError(f"{exc}: never delivered {undelivered()[:20]}") from None
+        raise AssertionError(f"{exc}: never delivered {missing_now[:20]} (now: {undelivered()[:20]})") from None
     # Every ack has its answer, or has waited past the bound (the check then says which).
     await async_wait_until(
         lambda: all(

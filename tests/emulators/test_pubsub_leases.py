@@ -72,6 +72,19 @@ def test_modack_shortens_a_lease_and_the_message_returns_at_the_new_deadline(
     elapsed = time.monotonic() - shortened_at
     assert 9.0 <= elapsed < 40, f"redelivered {elapsed:.1f}s after the modack to 10 s"
     assert again[0].message.message_id == first.message.message_id
+    status, body = emulators.admin("GET", f"/pubsub/unacked?subscription={subscription}")
+    assert status == 200, body
+    [unacked] = body
+    assert (unacked["delivery_attempt"], unacked["leased"]) == (2, True)
+    events = [event.split(" ", 1)[1] for event in unacked["history"]]
+    first_id, again_id = first.ack_id, again[0].ack_id
+    assert [e.split(" to ")[0] for e in events] == [
+        f"leased {first_id}",
+        f"deadline of {first_id} set",
+        f"lease {first_id} expired",
+        f"leased {again_id}",
+    ], events
+    assert events[0].endswith("to a Pull") and events[1].endswith("set to 10s")
     subscriber.acknowledge(subscription=subscription, ack_ids=[again[0].ack_id])
     assert lease_report(emulators, subscription) == []
 
