@@ -172,7 +172,7 @@ async def run_bench(
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Entry point for ``pubsub-sidecar bench`` (``sidecar.cli``) and ``python -m bench``."""
+    """Entry point for ``pubsub-sidecar bench`` (``sidecar.commands.main``) and ``python -m bench``."""
     results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
     if getattr(args, "py_spy", None):
         PROFILER.directory = Path(args.py_spy)

@@ -33,7 +33,7 @@ from sidecar.store.api import IncomingMessage, PersistOutcome
 from sidecar.store.memory import MemoryStore
 
 if TYPE_CHECKING:
-    from sidecar.runtime import SubscriptionRuntime
+    from sidecar.pipeline.runtime import SubscriptionRuntime
 
 _PERSIST_CHUNK = 1000
 """Messages persisted and handed to the runtime per call while preloading."""
@@ -127,8 +127,8 @@ async def _persist(store: MemoryStore, runtime: SubscriptionRuntime, batch: list
 
 async def run_scenario(scenario: Scenario) -> dict[str, float]:
     # Imported here: the app process only needs the generated stubs, like a real app.
-    from sidecar.grpc_server import GrpcServer
-    from sidecar.runtime import SubscriptionRuntime
+    from sidecar.delivery.server import GrpcServer
+    from sidecar.pipeline.runtime import SubscriptionRuntime
 
     store = MemoryStore()
     runtime = SubscriptionRuntime(scenario.name, EngineConfig(mode="sequence"), store, _NoDeadLetters())

@@ -260,7 +260,7 @@ def billed_operations(counters: Mapping[str, int]) -> int:
 
 
 _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")
-"""``sidecar.app`` logs this once recovery is done; with port 0 it is how the bench learns the ports."""
+"""``sidecar.wiring.app`` logs this once recovery is done; with port 0 it is how the bench learns the ports."""
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """`python -m sidecar` is the `pubsub-sidecar` command."""
 
-from sidecar.cli import main
+from sidecar.commands.main import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sidecar.runtime import wall_clock_ms
+from sidecar.pipeline.runtime import wall_clock_ms
 from sidecar.store.api import IncomingMessage
 
 

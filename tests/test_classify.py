@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sidecar.classify import MAX_TIMESTAMP_MS, Malformed, classify, fingerprint
-from sidecar.config import SubscriptionConfig
+from sidecar.config.model import SubscriptionConfig
+from sidecar.pipeline.classify import MAX_TIMESTAMP_MS, Malformed, classify, fingerprint
 from sidecar.store.api import IncomingMessage
 
 MAX_SEQUENCE = 2**63 - 1
@@ -314,7 +314,8 @@ def test_valid_epoch_millis_round_trip(ms: int) -> None:
 def test_classify_imports_no_google_library() -> None:
     """Classification is pure: a fresh interpreter importing it loads neither Google nor gRPC."""
     code = (
-        "import sys, sidecar.classify; print(sorted(m for m in sys.modules if m.split('.')[0] in ('google', 'grpc')))"
+        "import sys, sidecar.pipeline.classify; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('google', 'grpc')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

@@ -12,8 +12,14 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import config_errors
-from sidecar.config import (
+from sidecar.config import errors as config_errors
+from sidecar.config.durations import (
+    MAX_DURATION_MS,
+    format_duration_ms,
+    parse_byte_size,
+    parse_duration_ms,
+)
+from sidecar.config.model import (
     EXIT_CONFIG,
     ConfigError,
     SequenceOrdering,
@@ -22,12 +28,6 @@ from sidecar.config import (
     config_error_exit,
     load_config,
     parse_config,
-)
-from sidecar.durations import (
-    MAX_DURATION_MS,
-    format_duration_ms,
-    parse_byte_size,
-    parse_duration_ms,
 )
 from sidecar.engine.types import EngineConfig
 

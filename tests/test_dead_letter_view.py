@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from sidecar.dead_letter_view import Filters, WaitingLetter, format_age, format_table, select, to_json, visible
+from sidecar.dead_letters.view import Filters, WaitingLetter, format_age, format_table, select, to_json, visible
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 

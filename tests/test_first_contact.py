@@ -4,7 +4,7 @@ Each command runs as a real subprocess (`python -m sidecar`) with every ``*_EMUL
 removed, ``GOOGLE_APPLICATION_CREDENTIALS`` unset or naming a missing file, and ``HOME`` an empty
 directory (no gcloud ADC file). Nothing here reaches the network: where the metadata server is
 asked, it is either the machine's (there is none here) or a local socket that accepts and never
-answers, which shows the search is bounded (``sidecar.credentials.SEARCH_DEADLINE_SECONDS``).
+answers, which shows the search is bounded (``sidecar.config.credentials.SEARCH_DEADLINE_SECONDS``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import credentials
+from sidecar.config import credentials
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.leases.layout import LEASE_LAYOUT_VERSION, lease_fields, read_lease
+from sidecar.cluster.leases.layout import LEASE_LAYOUT_VERSION, lease_fields, read_lease
 from sidecar.store import documents, layout, recovery
 from sidecar.store.cursors import CursorRules
 from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument

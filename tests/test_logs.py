@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from google.api_core import client_logging
 
-from sidecar.logs import parse_level, setup_logging, severity
+from sidecar.ops.logs import parse_level, setup_logging, severity
 
 
 @pytest.fixture
@@ -37,12 +37,12 @@ def test_json_line_has_cloud_logging_fields(restore_root_logger: None) -> None:
     setup_logging("json", "INFO", stream=stream)
     before = datetime.datetime.now(datetime.UTC)
 
-    logging.getLogger("sidecar.ingest").warning("paused: %d undelivered", 12)
+    logging.getLogger("sidecar.pipeline.ingest").warning("paused: %d undelivered", 12)
 
     (entry,) = lines_of(stream)
     assert entry["severity"] == "WARNING"
     assert entry["message"] == "paused: 12 undelivered"
-    assert entry["logger"] == "sidecar.ingest"
+    assert entry["logger"] == "sidecar.pipeline.ingest"
     logged_at = datetime.datetime.fromisoformat(entry["time"].replace("Z", "+00:00"))
     assert entry["time"].endswith("Z")
     assert abs((logged_at - before).total_seconds()) < 60
@@ -52,7 +52,7 @@ def test_json_carries_context_but_never_payload(restore_root_logger: None) -> No
     stream = io.StringIO()
     setup_logging("json", "DEBUG", stream=stream)
 
-    logging.getLogger("sidecar.delivery").info(
+    logging.getLogger("sidecar.delivery.servicer").info(
         "delivered",
         extra={
             "subscription": "orders",
@@ -101,7 +101,7 @@ def test_json_exception_goes_to_stack_trace_on_one_line(restore_root_logger: Non
 def test_level_filters_and_critical_maps(restore_root_logger: None) -> None:
     stream = io.StringIO()
     setup_logging("json", "warning", stream=stream)
-    log = logging.getLogger("sidecar.app")
+    log = logging.getLogger("sidecar.wiring.app")
 
     log.info("hidden")
     log.critical("boom")
@@ -127,14 +127,14 @@ def test_text_format_is_readable_with_context_and_traceback(restore_root_logger:
     try:
         raise ValueError("bad")
     except ValueError:
-        logging.getLogger("sidecar.ingest").error(
+        logging.getLogger("sidecar.pipeline.ingest").error(
             "dead-lettered", exc_info=True, extra={"subscription": "orders", "data": "SECRET-PAYLOAD"}
         )
 
     text = stream.getvalue()
     first_line = text.splitlines()[0]
     assert "ERROR" in first_line
-    assert "sidecar.ingest: dead-lettered [subscription=orders]" in first_line
+    assert "sidecar.pipeline.ingest: dead-lettered [subscription=orders]" in first_line
     assert "ValueError: bad" in text
     assert "SECRET-PAYLOAD" not in text
 
@@ -209,7 +209,7 @@ def test_google_libraries_threads_and_warnings_log_json_lines(
     assert [(e["severity"], e["logger"]) for e in entries] == [
         ("WARNING", "google.api_core.bidi"),
         ("WARNING", "py.warnings"),
-        ("ERROR", "sidecar.logs"),
+        ("ERROR", "sidecar.ops.logs"),
     ]
     assert entries[0]["message"] == "Background thread did not exit."
     assert "an old api" in entries[1]["message"]

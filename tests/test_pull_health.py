@@ -1,8 +1,8 @@
-"""PullHealth: what StreamingPull attempts say, with a fake clock (sidecar/pull_health.py)."""
+"""PullHealth: what StreamingPull attempts say, with a fake clock (sidecar/pipeline/pull_health.py)."""
 
 from __future__ import annotations
 
-from sidecar.pull_health import FAILING_AFTER_SECONDS, SETTLED_AFTER_SECONDS, PullHealth
+from sidecar.pipeline.pull_health import FAILING_AFTER_SECONDS, SETTLED_AFTER_SECONDS, PullHealth
 
 
 class _World:

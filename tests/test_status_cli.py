@@ -15,11 +15,11 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from incoming_messages import sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar import cli
+from sidecar.commands import main as cli
+from sidecar.commands.status import EXIT_FAILED, fetch_and_render, format_age, format_json, format_table, status_to_dict
+from sidecar.delivery.server import GrpcServer
 from sidecar.engine.types import EngineConfig, Message
-from sidecar.grpc_server import GrpcServer
-from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
-from sidecar.status import EXIT_FAILED, fetch_and_render, format_age, format_json, format_table, status_to_dict
+from sidecar.pipeline.runtime import SubscriptionRuntime, wall_clock_ms
 from sidecar.store.api import PersistOutcome
 from sidecar.store.memory import MemoryStore
 

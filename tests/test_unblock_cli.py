@@ -11,10 +11,10 @@ import pytest
 from incoming_messages import sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
-from sidecar import cli
+from sidecar.commands import main as cli
+from sidecar.delivery.server import GrpcServer
 from sidecar.engine.types import EngineConfig, Message
-from sidecar.grpc_server import GrpcServer
-from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
+from sidecar.pipeline.runtime import SubscriptionRuntime, wall_clock_ms
 from sidecar.store.api import PersistOutcome
 from sidecar.store.memory import MemoryStore
 

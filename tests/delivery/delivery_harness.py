@@ -15,9 +15,9 @@ import grpc
 from google.protobuf import duration_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
+from sidecar.delivery.server import GrpcServer
 from sidecar.engine.types import EngineConfig, Message
-from sidecar.grpc_server import GrpcServer
-from sidecar.runtime import SubscriptionRuntime, wall_clock_ms
+from sidecar.pipeline.runtime import SubscriptionRuntime, wall_clock_ms
 from sidecar.store.api import IncomingMessage, PersistOutcome
 from sidecar.store.memory import MemoryStore
 

@@ -10,7 +10,7 @@ import pytest
 from delivery_harness import WAIT_SECONDS, Harness, Subscriber
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.delivery import MAX_OUTSTANDING_LIMIT
+from sidecar.delivery.servicer import MAX_OUTSTANDING_LIMIT
 
 _probe_keys = itertools.count()
 

@@ -10,7 +10,7 @@ from delivery_harness import Harness, RecordingDeadLetters, sequence_config, wai
 from delivery_harness import incoming_message as sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.runtime import SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.pipeline.runtime import SubscriptionRuntime, SubscriptionUnavailable
 from sidecar.store.api import StoreRejected
 from sidecar.store.memory import MemoryStore
 

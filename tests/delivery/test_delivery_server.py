@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2
+from sidecar.delivery.server import SERVICE_NAME, GrpcServer, ListenError
 from sidecar.engine.types import EngineConfig
-from sidecar.grpc_server import SERVICE_NAME, GrpcServer, ListenError
 
 
 def _exists(path: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sidecar.engine.types import EngineConfig
-from sidecar.runtime import NotOwner, SubscriptionRuntime
+from sidecar.pipeline.runtime import NotOwner, SubscriptionRuntime
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store.api import IncomingMessage, PersistOutcome, ShardLost, SubscriptionStoreConfig

@@ -257,7 +257,7 @@ def dump_firestore(env: Mapping[str, str], path: Path) -> None:
 
 
 _READY_LINE = re.compile(r"sidecar ready: .*gRPC on (?P<grpc>[^\s\",]+), HTTP on (?P<http>[^\s\",]+)")
-"""``sidecar.app`` logs this once recovery is done; with port 0 it is how a test learns the ports."""
+"""``sidecar.wiring.app`` logs this once recovery is done; with port 0 it is how a test learns the ports."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ production does) and retries RESOURCE_EXHAUSTED (quota) silently for ever. Befor
 the sidecar exit 1 (a crash loop with no probe, status or metric saying why) and the second left
 every probe green while nothing arrived.
 
-Bounds (sidecar/pull_health.py, plus the 2 s readiness cache): a pull closed for good is reported at
+Bounds (sidecar/pipeline/pull_health.py, plus the 2 s readiness cache): a pull closed for good is reported at
 once; failures the client retries, once they lasted 10 s; ready again once a stream stayed open 5 s
 or delivered a message, after the reopen backoff (1 s doubling to 30 s) for a closed pull.
 """
@@ -23,7 +23,7 @@ from conftest import Scenario
 from e2e_harness import SidecarProcess, async_poll, async_wait_until, order_message
 
 from pubsub_sidecar_client import get_status
-from sidecar.pull_health import FAILING_AFTER_SECONDS
+from sidecar.pipeline.pull_health import FAILING_AFTER_SECONDS
 
 pytestmark = pytest.mark.e2e
 

@@ -13,11 +13,11 @@ from typing import Any
 
 from pubsub_admin import WAIT_SECONDS, PubSubAdmin
 
-from sidecar.config import SubscriptionConfig
-from sidecar.deadletter import DeadLetterPublisher
+from sidecar.config.model import SubscriptionConfig
+from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.engine.types import Message
-from sidecar.ingest import Ingestor
-from sidecar.runtime import SubscriptionRuntime
+from sidecar.pipeline.ingest import Ingestor
+from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.store.memory import MemoryStore
 
 

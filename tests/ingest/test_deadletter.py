@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from pubsub_admin import PubSubAdmin, wait_until
 
-from sidecar.deadletter import DeadLetterPublisher, DeadLetterPublishError, NoDeadLetterTopic
+from sidecar.dead_letters.publisher import DeadLetterPublisher, DeadLetterPublishError, NoDeadLetterTopic
 from sidecar.engine.types import Message, Payload
 
 pytestmark = pytest.mark.timeout(60)

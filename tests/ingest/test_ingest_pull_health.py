@@ -15,7 +15,7 @@ import pytest
 from ingest_harness import IngestHarness
 from pubsub_admin import wait_until
 
-from sidecar.pull_health import FAILING_AFTER_SECONDS
+from sidecar.pipeline.pull_health import FAILING_AFTER_SECONDS
 
 pytestmark = pytest.mark.timeout(120)
 

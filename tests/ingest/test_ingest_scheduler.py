@@ -25,7 +25,7 @@ from ingest_harness import IngestHarness
 from pubsub_admin import WAIT_SECONDS, PubSubAdmin, block_loop_until, wait_until
 
 from sidecar.emulators.stack import EmulatorStack
-from sidecar.ingest_scheduler import LoopScheduler
+from sidecar.pipeline.ingest_scheduler import LoopScheduler
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pytest
 from pubsub_admin import PubSubAdmin
 
-from sidecar import cli
-from sidecar.deadletter import DeadLetterPublisher
+from sidecar.commands import main as cli
+from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.engine.types import Message, Payload
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,8 +13,8 @@ from typing import Any
 
 from kustomize_build import Resource, render
 
-from sidecar.cli import build_parser
-from sidecar.config import SidecarConfig, load_config
+from sidecar.commands.main import build_parser
+from sidecar.config.model import SidecarConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

@@ -10,8 +10,8 @@ import pytest
 from kustomize_build import render
 from prometheus_client import CollectorRegistry, generate_latest
 
-from sidecar.durations import parse_duration_ms
-from sidecar.observability import SidecarCollector, SubscriptionMetrics
+from sidecar.config.durations import parse_duration_ms
+from sidecar.ops.observability import SidecarCollector, SubscriptionMetrics
 
 ALERTS = Path(__file__).resolve().parents[2] / "k8s" / "alerts"
 

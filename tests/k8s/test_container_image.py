@@ -32,7 +32,7 @@ from types import ModuleType
 from kustomize_build import load_yaml_documents, render
 from packaging.requirements import Requirement
 
-from sidecar.cli import build_parser
+from sidecar.commands.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

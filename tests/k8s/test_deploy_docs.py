@@ -31,7 +31,7 @@ import pytest
 from kustomize_build import Resource
 from rendered_manifests import K8S, OVERLAY, loaded_config, only, pod_spec, rendered_copy
 
-from sidecar.config import SidecarConfig
+from sidecar.config.model import SidecarConfig
 
 ROOT = K8S.parent
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"

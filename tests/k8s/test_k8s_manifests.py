@@ -41,7 +41,7 @@ from rendered_manifests import (
     sidecar_container,
 )
 
-from sidecar.observability import HttpEndpoint, Metrics, Readiness
+from sidecar.ops.observability import HttpEndpoint, Metrics, Readiness
 
 KUBERNETES_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
 """1.29 turned native sidecars (restartPolicy: Always on an init container) on by default."""

@@ -30,7 +30,7 @@ from prometheus_client import generate_latest
 from rendered_manifests import K8S, loaded_config, only, rendered_copy
 
 from sidecar.emulators.monitoring import NUM_UNDELIVERED
-from sidecar.observability import Metrics
+from sidecar.ops.observability import Metrics
 
 KEDA = K8S / "overlays" / "keda"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"

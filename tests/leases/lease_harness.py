@@ -10,9 +10,9 @@ import functools
 import time
 from collections.abc import Callable
 
-from sidecar.leases import ShardLeases
-from sidecar.leases.manager import _monotonic_ms
-from sidecar.leases.planner import fair_share
+from sidecar.cluster.leases import ShardLeases
+from sidecar.cluster.leases.manager import _monotonic_ms
+from sidecar.cluster.leases.planner import fair_share
 from sidecar.store import documents as docs
 
 SUB_PATH = "pubsub-sidecar/orders"

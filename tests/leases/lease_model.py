@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from sidecar.leases.layout import lease_fields, read_lease
-from sidecar.leases.planner import GIVING_UP, Action, LeaseWrite, Mode, plan
+from sidecar.cluster.leases.layout import lease_fields, read_lease
+from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite, Mode, plan
 from sidecar.store import documents as docs
 
 MOVES_EPOCH = frozenset({Action.ACQUIRE, Action.HAND_OVER, Action.RELEASE})

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from lease_harness import SUB_PATH, Member, OverlapChecker, balanced, wait_until
 
-from sidecar.leases.layout import lease_path
+from sidecar.cluster.leases.layout import lease_path
 from sidecar.store import documents as docs
 from sidecar.store.firestore import FirestoreDocuments
 

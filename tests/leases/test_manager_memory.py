@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import pytest
 from lease_harness import SUB_PATH, FakeTime, Member, OverlapChecker, balanced, pass_time, wait_until
 
-from sidecar.leases import LeaseLayoutError, ShardLeases
-from sidecar.leases.layout import lease_fields, lease_path
+from sidecar.cluster.leases import LeaseLayoutError, ShardLeases
+from sidecar.cluster.leases.layout import lease_fields, lease_path
 from sidecar.store import documents as docs
 from sidecar.store.api import ShardLost
 from sidecar.store.memory_documents import MemoryDocuments
@@ -306,7 +306,7 @@ async def test_a_bad_lease_document_stops_its_shard_only_named_once_and_is_never
     )
     await documents.commit([docs.replace(path, {**lease_fields(SHARDS, "pod-z", 3, 9, LEASE_MS, ""), **change})])
     bad = documents.snapshot()[path]
-    caplog.set_level(logging.INFO, logger="sidecar.leases")
+    caplog.set_level(logging.INFO, logger="sidecar.cluster.leases")
     member = _member(documents, clock, "pod-a")
     member.start()
     try:
@@ -445,4 +445,4 @@ async def test_a_wall_clock_minutes_off_changes_nothing_because_nothing_reads_it
         for member in members:
             await member.stop()
         await checker.close()
-    assert [name for name in readers if name.startswith("sidecar.leases")] == []
+    assert [name for name in readers if name.startswith("sidecar.cluster.leases")] == []

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.leases.layout import LeaseView
-from sidecar.leases.planner import Action, Mode, fair_share, plan
+from sidecar.cluster.leases.layout import LeaseView
+from sidecar.cluster.leases.planner import Action, Mode, fair_share, plan
 
 LEASE_MS = 1_000
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lease_model import LEASE_MS, Database, Phase, Pod, check_one_holder
 
-from sidecar.leases.planner import Mode, fair_share
+from sidecar.cluster.leases.planner import Mode, fair_share
 
 MAX_PODS = 5
 SETTLE_ROUNDS = 12

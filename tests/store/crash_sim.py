@@ -5,7 +5,7 @@ One ``Simulation`` plays everything around the store, step by step, deterministi
 - **Pub/Sub**: published copies stay outstanding until acked; any outstanding copy may be (re)delivered
   at any time, in any order, any number of times (at-least-once, no order).
 - **The sidecar**: ``DocumentStore`` over ``MemoryDocuments`` plus ``Engine``, glued by the same rules
-  as ``sidecar.ingest`` and ``sidecar.runtime``: ack Pub/Sub only after persist said durable (the ack
+  as ``sidecar.pipeline.ingest`` and ``sidecar.pipeline.runtime``: ack Pub/Sub only after persist said durable (the ack
   itself is a separate step, so a crash can fall between them); an app ack counts once
   ``commit_acks`` returned; a dead letter is published, then ``mark_done``, then ``dead_letter_done``.
 - **The app**: takes deliveries, acks (in any order, with ``max_in_flight_per_key`` > 1), nacks,
@@ -64,7 +64,7 @@ from typing import Any, TypeVar
 
 from sidecar.engine import DeadLetter, Deliver, DropDuplicate, Engine, EngineConfig, Hold, UnknownDelivery
 from sidecar.engine.types import AckIntent, EngineSnapshot, Message
-from sidecar.shard_engines import ShardEngine
+from sidecar.pipeline.shard_engines import ShardEngine
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store import layout, reader

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from sidecar.engine.types import Deliver, EngineConfig, Message
-from sidecar.ownership import ShardOwnership
-from sidecar.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store import layout
@@ -28,6 +27,7 @@ from sidecar.store.document_store import DocumentStore
 from sidecar.store.firestore import FirestoreDocuments
 from sidecar.store.inbox import InboxListening
 from sidecar.store.memory_documents import MemoryDocuments
+from sidecar.wiring.ownership import ShardOwnership
 
 SHARDS = 4
 SHARD = 2

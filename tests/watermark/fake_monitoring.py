@@ -2,7 +2,7 @@
 
 Partial answers (``execution_errors``), several pages, slow answers: the emulator computes real
 backlog points, this fake returns exactly what a test scripts. It speaks the real wire protocol,
-so the official client in ``sidecar.watermark`` is exercised unchanged.
+so the official client in ``sidecar.pipeline.watermark_source`` is exercised unchanged.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 from google.cloud import pubsub_v1
 
 from sidecar.emulators.stack import EmulatorStack
-from sidecar.watermark import WatermarkSource
+from sidecar.pipeline.watermark_source import WatermarkSource
 
 PROJECT = "watermark-tests"
 PERIOD_S = 1.0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.watermark_rule import (
+from sidecar.pipeline.watermark_rule import (
     AGE_RESOLUTION_MS,
     MetricPoint,
     WatermarkParams,

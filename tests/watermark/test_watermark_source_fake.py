@@ -13,8 +13,8 @@ import pytest
 from fake_monitoring import Answer, FakeMonitoring, series
 from google.cloud.monitoring_v3.types import ListTimeSeriesRequest, ListTimeSeriesResponse
 
-from sidecar.watermark import METRIC_TYPE, WatermarkSource
-from sidecar.watermark_rule import AGE_RESOLUTION_MS
+from sidecar.pipeline.watermark_rule import AGE_RESOLUTION_MS
+from sidecar.pipeline.watermark_source import METRIC_TYPE, WatermarkSource
 
 NOW = 1_800_000_000_000
 MARGIN = 1_000

@@ -1,0 +1,10 @@
+"""Shard leases: which pod delivers which shard of a subscription (several pods on one subscription).
+
+``layout`` reads and writes the lease documents, ``planner`` decides each round's writes (pure),
+``manager.ShardLeases`` runs the rounds for one subscription over ``sidecar.store.documents``.
+"""
+
+from sidecar.cluster.leases.layout import LEASE_LAYOUT_VERSION, LeaseLayoutError
+from sidecar.cluster.leases.manager import LeaseStats, ShardLeases
+
+__all__ = ["LEASE_LAYOUT_VERSION", "LeaseLayoutError", "LeaseStats", "ShardLeases"]

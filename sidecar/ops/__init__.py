@@ -1,0 +1,8 @@
+"""What operators see of a running sidecar: logs, metrics and health over HTTP, listeners.
+
+- ``logs``: one JSON object per line for Cloud Logging, or plain text.
+- ``observability``: ``/healthz``, ``/readyz`` and ``/metrics`` (aiohttp, prometheus-client).
+- ``listening``: binding the gRPC and HTTP listeners, refusing an address in use.
+
+A leaf: imports nothing of the sidecar (the wiring hands it snapshots), so every layer may use it.
+"""

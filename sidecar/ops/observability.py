@@ -1,0 +1,331 @@
+"""Health and metrics over HTTP: ``/healthz``, ``/readyz`` and ``/metrics`` (aiohttp, prometheus-client).
+
+Counters and gauges are not kept twice: a custom collector reads them from the running
+subscriptions (engine status and ingest counters) at scrape time, so a scrape always agrees with
+GetStatus. Only the two latency histograms are observed as events happen.
+
+``/healthz`` answers 200 while the process serves HTTP and every subscription makes progress
+(liveness): a recovery that has read nothing new for minutes answers 503, so that Kubernetes
+restarts the container rather than waiting on it for ever. ``/readyz`` answers 200
+once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable, and each
+subscription's StreamingPull working: ``sidecar.pipeline.pull_health`` says when it has failed for 10 s or
+was closed for good, with the cause); checks are cached for ``_CHECK_TTL_SECONDS`` so that probes do
+not hammer the backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from sidecar.ops.listening import ListenError, describe_bind_error
+
+_LOGGER = logging.getLogger(__name__)
+
+PREFIX = "pubsub_sidecar"
+
+_CHECK_TTL_SECONDS = 2.0
+"""Kubernetes probes every few seconds; a 2 s cache keeps one probe from costing one RPC per backend."""
+
+_CHECK_TIMEOUT_SECONDS = 5.0
+"""A readiness check slower than this counts as failed: an unready pod is better than a hung probe."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionMetrics:
+    """One subscription's counters and gauges at scrape time."""
+
+    subscription: str
+    received: int
+    malformed: int
+    duplicates: int
+    delivered: int
+    acked: int
+    nacked: int
+    late: int
+    dead_lettered: Mapping[str, int]
+    buffered: int
+    in_flight: int
+    keys_blocked: int
+    oldest_undelivered_age_seconds: float
+    watermark_lag_seconds: float | None
+    keys_blocked_dead_letter: int = 0
+    stored: int = 0
+    fast_path: int = 0
+    shards_owned: int | None = None
+    """Several pods: shards this pod owns and delivers now (None without shard leases)."""
+    lease_renewals: int = 0
+    lease_renewal_failures: int = 0
+    shards_adopted: int = 0
+    shards_dropped: int = 0
+    lease_blocked_shards: int = 0
+    """Shards whose lease document this pod cannot read as its own (newer layout, corrupt): stopped."""
+    streaming_pull_failing: bool = False
+    """Every StreamingPull failed for the bound, or the pull was closed for good (``PullHealth``)."""
+    streaming_pull_errors: Mapping[str, int] = field(default_factory=dict)
+    """Failed StreamingPull attempts by status code name, since the start."""
+    ingest_stages: Mapping[str, int] = field(default_factory=dict)
+    """Messages received and not settled with Pub/Sub, by where they wait (``Ingestor.stages``)."""
+
+
+class SidecarCollector(Collector):
+    """Turns ``SubscriptionMetrics`` snapshots into Prometheus families."""
+
+    def __init__(self, source: Callable[[], Iterable[SubscriptionMetrics]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = list(self._source())
+        counters = {
+            "received": "Messages received from Pub/Sub.",
+            "malformed": "Messages that could not be classified (sent to the dead-letter topic).",
+            "duplicates": "Duplicates dropped (Pub/Sub redeliveries and publisher retries).",
+            "delivered": "Deliveries to the app (redeliveries included).",
+            "acked": "App acks made durable.",
+            "nacked": "App nacks and ack-deadline expiries.",
+            "late": "Messages that arrived behind their key's cursor.",
+            "stored": "Messages written to Firestore before their Pub/Sub ack.",
+            "fast_path": "Messages delivered without a Firestore document (in order at their key's owner).",
+        }
+        yield from _counter_families(counters, snapshots)
+        dead = CounterMetricFamily(
+            f"{PREFIX}_dead_lettered", "Messages published to the dead-letter topic.", labels=["subscription", "reason"]
+        )
+        for snap in snapshots:
+            for reason, count in sorted(snap.dead_lettered.items()):
+                dead.add_metric([snap.subscription, reason], count)
+        yield dead
+        gauges = {
+            "buffered_messages": ("buffered", "Messages stored and not yet acked, dead-lettered or dropped."),
+            "in_flight_messages": ("in_flight", "Messages delivered to the app and not yet acked."),
+            "keys_blocked": ("keys_blocked", "Keys holding messages behind a gap, the watermark or a dead letter."),
+            "keys_blocked_dead_letter": (
+                "keys_blocked_dead_letter",
+                "Keys stopped at a dead letter (on_dead_letter: block) until an operator unblocks or replays.",
+            ),
+            "oldest_undelivered_age_seconds": (
+                "oldest_undelivered_age_seconds",
+                "Age of the oldest stored message not yet delivered: the number to alert on.",
+            ),
+        }
+        for name, (attr, doc) in gauges.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+            for snap in snapshots:
+                gauge.add_metric([snap.subscription], getattr(snap, attr))
+            yield gauge
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_watermark_lag_seconds", "Now minus the watermark (watermark mode).", labels=["subscription"]
+        )
+        for snap in snapshots:
+            if snap.watermark_lag_seconds is not None:
+                lag.add_metric([snap.subscription], snap.watermark_lag_seconds)
+        yield lag
+        sharded = [snap for snap in snapshots if snap.shards_owned is not None]
+        owned = GaugeMetricFamily(
+            f"{PREFIX}_shards_owned", "Shards this pod owns and delivers now (several pods).", labels=["subscription"]
+        )
+        for snap in sharded:
+            owned.add_metric([snap.subscription], snap.shards_owned or 0)
+        yield owned
+        blocked = GaugeMetricFamily(
+            f"{PREFIX}_lease_blocked_shards",
+            "Shards stopped because their lease document cannot be read as this version's (a newer layout, a "
+            "corrupt or ill-typed field): nobody delivers their keys until it is repaired (the log names it).",
+            labels=["subscription"],
+        )
+        for snap in sharded:
+            blocked.add_metric([snap.subscription], snap.lease_blocked_shards)
+        yield blocked
+        lease_counters = {
+            "lease_renewals": "Shard lease renewals written.",
+            "lease_renewal_failures": "Shard lease renewals that failed (Firestore error or lease moved on).",
+            "shards_adopted": "Shards this pod took over and loaded (a handover is a recovery).",
+            "shards_dropped": "Shards this pod stopped delivering (lost, handed over, or fenced by Firestore).",
+        }
+        yield from _counter_families(lease_counters, sharded)
+        failing = GaugeMetricFamily(
+            f"{PREFIX}_streaming_pull_failing",
+            "1 while Pub/Sub delivers nothing to this pod: every StreamingPull failed for 10 s or more, or the "
+            "pull was closed for good (the cause: /readyz, GetStatus pull_failure, the errors by code).",
+            labels=["subscription"],
+        )
+        for snap in snapshots:
+            failing.add_metric([snap.subscription], 1 if snap.streaming_pull_failing else 0)
+        yield failing
+        errors = CounterMetricFamily(
+            f"{PREFIX}_streaming_pull_errors",
+            "StreamingPull attempts that failed, by status code (the client retries most without a word).",
+            labels=["subscription", "code"],
+        )
+        for snap in snapshots:
+            for code, count in sorted(snap.streaming_pull_errors.items()):
+                errors.add_metric([snap.subscription, code], count)
+        yield errors
+        stages = GaugeMetricFamily(
+            f"{PREFIX}_ingest_messages",
+            "Messages received from Pub/Sub and not yet acked or nacked to it, by where they wait: handoff "
+            "(from the client's thread), unsorted, held (for a missing predecessor), deferred (behind a store "
+            "of their key), to_store, storing, fast_path (delivered unstored, ack not yet durable), "
+            "nack_scheduled (a failed store, given back after a backoff); unsettled counts them all (dead-letter "
+            "publishes under way too).",
+            labels=["subscription", "stage"],
+        )
+        for snap in snapshots:
+            for stage, count in snap.ingest_stages.items():
+                stages.add_metric([snap.subscription, stage], count)
+        yield stages
+
+
+def _counter_families(docs: dict[str, str], snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:
+    """One counter family per ``name -> doc``, a sample per subscription from the attribute ``name``."""
+    for name, doc in docs.items():
+        family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+        for snap in snapshots:
+            family.add_metric([snap.subscription], getattr(snap, name))
+        yield family
+
+
+@dataclass
+class Metrics:
+    """The registry plus the histograms observed as events happen."""
+
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    persist_latency: Histogram = field(init=False)
+    publish_to_delivery: Histogram = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.persist_latency = Histogram(
+            f"{PREFIX}_persist_latency_seconds",
+            "Time for one Firestore persist batch.",
+            ["subscription"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.publish_to_delivery = Histogram(
+            f"{PREFIX}_publish_to_delivery_seconds",
+            "Pub/Sub publish time to first delivery to the app.",
+            ["subscription"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+
+    def add_collector(self, source: Callable[[], Iterable[SubscriptionMetrics]]) -> None:
+        self.registry.register(SidecarCollector(source))
+
+
+ReadinessCheck = Callable[[], Awaitable[None]]
+"""Raises (anything) when the dependency is not reachable."""
+
+
+class NotReady(Exception):
+    """Raised by a check that explains itself: /readyz shows its text as is."""
+
+
+Liveness = Callable[[], str | None]
+"""Returns why the process is stuck, or None while it makes progress."""
+
+
+class Readiness:
+    """Recovered flag plus cached dependency checks."""
+
+    def __init__(self, checks: Mapping[str, ReadinessCheck], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._checks = dict(checks)
+        self._clock = clock
+        self._recovered = False
+        self._shutting_down = False
+        self._cache: dict[str, tuple[float, str | None]] = {}
+        self._lock = asyncio.Lock()
+
+    def mark_recovered(self) -> None:
+        self._recovered = True
+
+    def mark_shutting_down(self) -> None:
+        self._shutting_down = True
+
+    async def evaluate(self) -> tuple[bool, dict[str, str]]:
+        """(ready, {check name: "ok" | reason})."""
+        async with self._lock:
+            now = self._clock()
+            results: dict[str, str] = {
+                "recovered": "ok" if self._recovered else "recovery not finished",
+                "shutdown": "shutting down" if self._shutting_down else "ok",
+            }
+            for name, check in self._checks.items():
+                cached = self._cache.get(name)
+                if cached is None or now - cached[0] > _CHECK_TTL_SECONDS:
+                    cached = (now, await _run_check(check))
+                    self._cache[name] = cached
+                results[name] = cached[1] or "ok"
+            return all(v == "ok" for v in results.values()), results
+
+
+async def _run_check(check: ReadinessCheck) -> str | None:
+    try:
+        await asyncio.wait_for(check(), _CHECK_TIMEOUT_SECONDS)
+    except asyncio.CancelledError:
+        raise
+    except NotReady as exc:
+        return str(exc)[:300] or "not ready"
+    except Exception as exc:  # any failure means "not ready"; say which
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+class HttpEndpoint:
+    """The aiohttp server for probes and scrapes."""
+
+    def __init__(self, address: str, metrics: Metrics, readiness: Readiness, liveness: Liveness | None = None) -> None:
+        host, _, port = address.rpartition(":")
+        self._liveness = liveness
+        self._host = host or "127.0.0.1"
+        self._port = int(port)
+        self._metrics = metrics
+        self._readiness = readiness
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics_handler)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(describe_bind_error(f"{self._host}:{self._port}", "http", exc)) from None
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        _LOGGER.info("http endpoint listening", extra={"address": f"{self._host}:{self.bound_port}"})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        problem = self._liveness() if self._liveness is not None else None
+        if problem:
+            return web.json_response({"status": "stuck", "reason": problem}, status=503)
+        return web.json_response({"status": "alive"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        ready, checks = await self._readiness.evaluate()
+        return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+    async def _metrics_handler(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
