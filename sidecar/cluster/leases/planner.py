@@ -39,7 +39,7 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
   ask nothing. **Leaving**: hand over or release every lease naming this pod, and withdraw its asks.
 
 A held lease whose document shows another owner or epoch, or is missing or bad, is reported
-``lost``. Invariants (property tested in tests/leases/): every epoch a change of owner writes is
+``lost``. Invariants (property tested in tests/cluster/): every epoch a change of owner writes is
 above every epoch the shard ever had, across deletions and repairs by hand; a write never changes
 the owner or epoch of a lease that is neither held by this pod nor free, expired or naming this pod;
 a bad document is never written.
