@@ -4,7 +4,9 @@ One job per module (read them in this order):
 
 - ``api``: the ``Store`` protocol and its types and errors (what the rest of the sidecar sees).
 - ``layout``: document ids, fields, sizes and chunks. Pure.
-- ``cursors``: per-key durable cursor state, the fold that builds it, and write coalescing. Pure.
+- ``cursors``: per-key durable cursor state and the fold that builds it. Pure.
+- ``cursor_book``: a subscription's durable cursors, and which still need writing (coalescing). Pure.
+- ``cursor_documents``: a key's cursor as document fields, and back. Pure.
 - ``recovery``: documents in, the engine's snapshot out. Pure.
 - ``documents``: the seam to a document database: plain writes, reads and queries.
 - ``persist``, ``document_store``, ``reader``: the ``Store`` over that seam (what to write, in which

@@ -59,7 +59,8 @@ from sidecar.store.api import (
     StoreRejected,
     SubscriptionStoreConfig,
 )
-from sidecar.store.cursors import CursorBook, CursorRules, fold_unblock, is_blocked, key_cursor, position_of
+from sidecar.store.cursor_book import CursorBook
+from sidecar.store.cursors import CursorRules, fold_unblock, is_blocked, key_cursor, position_of
 from sidecar.store.fencing import FenceSource, Finish, ShardWriter, Subscription
 from sidecar.store.inbox import InboxListening, listen_inbox
 from sidecar.store.layout import message_path

@@ -66,7 +66,9 @@ from sidecar.engine.types import AckIntent, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout
 from sidecar.store.api import DEAD_LETTERED, DROPPED, ShardLost, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, KeyState, cursor_fields, overlay_fields, skips_of
+from sidecar.store.cursor_book import CursorBook
+from sidecar.store.cursor_documents import cursor_fields, overlay_fields
+from sidecar.store.cursors import KeyState, skips_of
 
 _SHARDS_PER_FLUSH_COMMIT = 100
 """Shards per flush Commit: leaves most of its 500 writes for cursor documents, and bounds the

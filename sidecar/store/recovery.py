@@ -48,8 +48,9 @@ from typing import Any
 
 from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
-from sidecar.store.cursors import CursorRules, KeyState, cursor_fields, fold_ack, fold_dead_letter, key_cursor
-from sidecar.store.cursors import state_from_cursor_doc as _decode_cursor
+from sidecar.store.cursor_documents import cursor_fields
+from sidecar.store.cursor_documents import state_from_cursor_doc as _decode_cursor
+from sidecar.store.cursors import CursorRules, KeyState, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.layout import (
     ACKED,
     CURSOR_SKIPS,

@@ -8,9 +8,11 @@ import pytest
 from store_helpers import ack, client_of, cursors, documents, incoming
 
 from sidecar.engine.types import AckIntent, KeyCursor, Message, Payload
-from sidecar.store import cursors as cursor_module
+from sidecar.store import cursor_book as cursor_module
 from sidecar.store.api import PersistOutcome, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, CursorRules, KeyState, overlay_entry_size
+from sidecar.store.cursor_book import CursorBook
+from sidecar.store.cursor_documents import overlay_entry_size
+from sidecar.store.cursors import CursorRules, KeyState
 
 _ROOT = "pubsub-sidecar/orders"
 
@@ -143,4 +145,3 @@ def test_a_key_state_copy_has_every_field_and_shares_nothing_mutable() -> None:
     copied.skips[0][1] = 6
     copied.skips.append([30, 31])
     assert (state.done_above, state.unblocked, state.skips) == ({9, 11}, {13}, [[4, 5]])
-

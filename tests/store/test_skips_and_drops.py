@@ -13,7 +13,8 @@ from sidecar.engine.types import AckIntent, Message, SkippedRange
 from sidecar.store import documents as docs
 from sidecar.store import layout, recovery
 from sidecar.store.api import DROPPED, PersistOutcome, SubscriptionStoreConfig
-from sidecar.store.cursors import CursorBook, CursorRules
+from sidecar.store.cursor_book import CursorBook
+from sidecar.store.cursors import CursorRules
 from sidecar.store.document_store import DocumentStore
 from sidecar.store.memory_documents import MemoryDocuments
 
