@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check-tools proto proto-baseline emulators bench clean
+.PHONY: demo test lint format typecheck check-tools proto proto-baseline emulators bench clean
 
 # tests/k8s render k8s/ with the real kustomize (`kubectl kustomize`, kustomize v5, embedded in
 # kubectl since 1.27). The machine image ships kubectl as the `kubectl` package of google-cloud-cli;
@@ -38,7 +38,11 @@ check-tools:
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar tests bench scripts clients/python
+	$(VENV)/bin/ruff format --check sidecar tests bench scripts clients/python
 	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format sidecar tests bench scripts clients/python
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
