@@ -55,7 +55,7 @@ from typing import Any
 from sidecar.engine import timers as _timers
 from sidecar.engine.dedup import DedupMemory, dedup_key
 from sidecar.engine.sequence import SequencePolicy
-from sidecar.engine.state import ACKING, BACKOFF, BLOCKED, DEAD, DONE, HELD, OUT, Entry, KeyState
+from sidecar.engine.state import ACKING, BACKOFF, BLOCKED, DEAD, DONE, HELD, OUT, Entry, KeyLedger
 from sidecar.engine.types import (
     AckIntent,
     Action,
@@ -143,7 +143,7 @@ class Engine:
         """Stamped on every ``Deliver``: the lease epoch of the shard this engine delivers."""
         self._cursor_source = cursor_source
         """A key's durable cursor by name (the store's): lets idle keys be forgotten and rebuilt."""
-        self._idle: OrderedDict[str, KeyState] = OrderedDict()
+        self._idle: OrderedDict[str, KeyLedger] = OrderedDict()
         """Keys with nothing held, in flight or pending, least recently active first."""
         self._max_idle = config.max_idle_keys if cursor_source is not None else None
         self._config = config
@@ -159,11 +159,11 @@ class Engine:
         self._stored = 0
         self._delivered = 0
         self._acked = 0
-        self._keys: dict[str, KeyState] = {}
+        self._keys: dict[str, KeyLedger] = {}
         self._deliveries: dict[str, Entry] = {}  # OUT and ACKING, by delivery id
         self._consumers: dict[str, dict[str, Entry]] = {}  # OUT only, per consumer
-        self._ready: deque[KeyState] = deque()  # keys nobody has in flight
-        self._owned: dict[str, deque[KeyState]] = {}  # keys with messages in flight on that consumer
+        self._ready: deque[KeyLedger] = deque()  # keys nobody has in flight
+        self._owned: dict[str, deque[KeyLedger]] = {}  # keys with messages in flight on that consumer
         self._timers = _timers.TimerHeap()
         self._outside: dict[Message, tuple[int, int]] = {}  # dead letters outside any key order: count, n
         self._outside_ids: dict[object, int] = {}  # their identities: a copy of one is a duplicate
@@ -403,7 +403,7 @@ class Engine:
             self._refresh(key, now_ms)
         return [] if action is None else [action]
 
-    def _arrive_replay(self, key: KeyState, message: Message, now_ms: int) -> tuple[Action | None, Entry | None]:
+    def _arrive_replay(self, key: KeyLedger, message: Message, now_ms: int) -> tuple[Action | None, Entry | None]:
         """A replay in an ordered mode (rule 6 of the module docstring)."""
         held = self._find(message)
         if held is not None and held.message.replay_id == message.replay_id:
@@ -473,7 +473,7 @@ class Engine:
             return None
         return held.message if held.message.fingerprint == message.fingerprint else None
 
-    def _open_key(self, message: Message) -> KeyState | None:
+    def _open_key(self, message: Message) -> KeyLedger | None:
         """``message``'s key when the fast path could serve it at all: sequence mode, not loading, not a
         replay, a position not held already, and a key neither blocked, dead-lettering nor backing off."""
         if self._seq is None or self._loading or message.replay_id or message.sequence is None:
@@ -665,7 +665,7 @@ class Engine:
         without backoff. Acking ones stay acking."""
         in_flight = self._consumers.pop(consumer, None)
         stranded = self._owned.pop(consumer, None)
-        touched: dict[int, KeyState] = {}
+        touched: dict[int, KeyLedger] = {}
         if in_flight:
             entries = sorted(in_flight.values(), key=_arrival)
             self._counts["returned"] += len(entries)
@@ -805,7 +805,7 @@ class Engine:
                 else:
                     heap.forget_stale()
             elif kind == _timers.KEY_BACKOFF:
-                key: KeyState = subject  # type: ignore[assignment]
+                key: KeyLedger = subject  # type: ignore[assignment]
                 if key.backoff_until == token:
                     key.backoff_until = key.backoff_since = None
                     self._refresh(key, now_ms)
@@ -875,7 +875,7 @@ class Engine:
         counts["acked"] = self._acked
         return counts
 
-    def _key_status(self, key: KeyState) -> KeyStatus:
+    def _key_status(self, key: KeyLedger) -> KeyStatus:
         state: KeyStateName
         waiting_for = ""
         since = key.wait_since
@@ -929,10 +929,10 @@ class Engine:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _key(self, name: str, *, rebuild: bool = True) -> KeyState:
+    def _key(self, name: str, *, rebuild: bool = True) -> KeyLedger:
         key = self._keys.get(name)
         if key is None:
-            key = self._keys[name] = KeyState(name)
+            key = self._keys[name] = KeyLedger(name)
             self._policy.new_key(key)
             if rebuild and self._cursor_source is not None:
                 cursor = self._cursor_source(name)  # a key forgotten while idle: rebuilt as it was
@@ -941,7 +941,7 @@ class Engine:
                     self._n_dead_letter_blocked += key.blocked
         return key
 
-    def _maybe_idle(self, key: KeyState) -> None:
+    def _maybe_idle(self, key: KeyLedger) -> None:
         """Track a key that holds nothing; forget the longest idle past ``max_idle_keys``."""
         if self._max_idle is None:
             return
@@ -976,7 +976,7 @@ class Engine:
             return None if key is None else key.index.get(message.sequence)
         return (self._wm or self._none).find(message)  # type: ignore[union-attr]
 
-    def _is_releasable(self, key: KeyState) -> bool:
+    def _is_releasable(self, key: KeyLedger) -> bool:
         return (
             key.n_ready > 0
             and key.n_out < self._max_in_flight
@@ -985,7 +985,7 @@ class Engine:
             and not key.dead_lettering
         )
 
-    def _enqueue(self, key: KeyState, queue_name: str) -> None:
+    def _enqueue(self, key: KeyLedger, queue_name: str) -> None:
         key.queued = queue_name
         if queue_name:
             queue = self._owned.get(queue_name)
@@ -995,7 +995,7 @@ class Engine:
         else:
             self._ready.append(key)
 
-    def _refresh(self, key: KeyState, now_ms: int) -> None:
+    def _refresh(self, key: KeyLedger, now_ms: int) -> None:
         """Bring the key's derived state up to date after any change to it: ready queues, global
         ready count, waiting flag and since, gap timer."""
         stopped = key.blocked or key.dead_lettering > 0
@@ -1022,7 +1022,7 @@ class Engine:
                     key.gap_since = now_ms
                     self._timers.push(now_ms + self._gap_timeout_ms, _timers.GAP, key, (missing, now_ms))
 
-    def _hand_out(self, key: KeyState | None, entry: Entry, consumer: str, now_ms: int) -> Deliver:
+    def _hand_out(self, key: KeyLedger | None, entry: Entry, consumer: str, now_ms: int) -> Deliver:
         self._next_id += 1
         delivery_id = f"{self._id_prefix}{self._next_id}"
         if not entry.deliveries:
@@ -1083,7 +1083,7 @@ class Engine:
             if key.n_out == 0:
                 key.consumer = None
 
-    def _give_back(self, key: KeyState, entries: list[Entry], *, from_timer_entry: Entry | None = None) -> None:
+    def _give_back(self, key: KeyLedger, entries: list[Entry], *, from_timer_entry: Entry | None = None) -> None:
         for entry in entries:
             self._end_delivery(entry, from_timer=entry is from_timer_entry)
         self._policy.give_back(key, entries)
@@ -1136,7 +1136,7 @@ class Engine:
         return []
 
     @staticmethod
-    def _insert_out(key: KeyState, entry: Entry) -> None:
+    def _insert_out(key: KeyLedger, entry: Entry) -> None:
         out = key.out
         i = len(out)
         while i and out[i - 1].pos > entry.pos:  # type: ignore[operator]
@@ -1167,7 +1167,7 @@ class Engine:
         if len(arrivals) > 2 * self._n_undelivered + _ARRIVALS_COMPACT_MIN:
             self._arrivals = deque(e for e in arrivals if not e.deliveries and e.state not in (DONE, BLOCKED))
 
-    def _retire_finished(self, key: KeyState) -> None:
+    def _retire_finished(self, key: KeyLedger) -> None:
         out = key.out
         policy = self._policy
         # The cursor passes a finished prefix of ``out``, but never a message a nack gave
@@ -1175,7 +1175,7 @@ class Engine:
         while out and out[0].state == DONE and not policy.held_below(key, out[0].pos):
             policy.retire(key, out.pop(0))
 
-    def _on_gap_timeout(self, key: KeyState, now_ms: int) -> None:
+    def _on_gap_timeout(self, key: KeyLedger, now_ms: int) -> None:
         self._counts["gap_timeouts"] += 1
         if self._config.on_gap_timeout != "skip":
             return  # hold: the key keeps waiting, visibly (status)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import bisect
 import heapq
 
-from sidecar.engine.state import DONE, HELD, Entry, KeyState
+from sidecar.engine.state import DONE, HELD, Entry, KeyLedger
 from sidecar.engine.types import (
     Action,
     DeadLetter,
@@ -71,13 +71,13 @@ class SequencePolicy:
         self.replays: dict[str, Entry] = {}
         """Replays delivered outside their key's order, by replay id."""
 
-    def new_key(self, key: KeyState) -> None:
+    def new_key(self, key: KeyLedger) -> None:
         if self._first_any:
             key.cursor = None
         else:
             key.cursor = key.next_out = key.run_end = key.known_from = self._start
 
-    def restore_cursor(self, key: KeyState, cursor: KeyCursor) -> None:
+    def restore_cursor(self, key: KeyLedger, cursor: KeyCursor) -> None:
         if cursor.last_position is not None:
             raise ValueError(f"key {cursor.key!r}: a watermark cursor (last_position) in a sequence-mode snapshot")
         if cursor.next_sequence is not None:
@@ -100,7 +100,7 @@ class SequencePolicy:
             key.index[seq] = placeholder
             key.out.append(placeholder)
 
-    def export_cursor(self, key: KeyState) -> KeyCursor | None:
+    def export_cursor(self, key: KeyLedger) -> KeyCursor | None:
         if key.cursor is None and not key.blocked:
             return None
         acked_above = tuple(entry.pos for entry in key.out if entry.state == DONE and not entry.late)
@@ -121,7 +121,7 @@ class SequencePolicy:
             )
         return seq
 
-    def replay_place(self, key: KeyState, message: Message) -> str:
+    def replay_place(self, key: KeyLedger, message: Message) -> str:
         """Where a replay that is not at its key's block falls (module docstring): "ahead" (an
         ordinary arrival) or "behind" (the key passed its sequence, or holds a message there)."""
         seq = self.position(message)
@@ -130,7 +130,7 @@ class SequencePolicy:
         return "ahead"
 
     def resume_at(
-        self, key: KeyState, blocking: Entry | None, message: Message, n: int
+        self, key: KeyLedger, blocking: Entry | None, message: Message, n: int
     ) -> tuple[Action | None, Entry | None]:
         """A replay of the dead letter the key was blocked at takes its place (the block is lifted).
 
@@ -149,7 +149,7 @@ class SequencePolicy:
         key.n_ready += 1
         return None, entry
 
-    def add_flagged(self, key: KeyState, entry: Entry) -> None:
+    def add_flagged(self, key: KeyLedger, entry: Entry) -> None:
         """A replay delivered outside the key's order, ahead of its backlog (like a late message)."""
         self.replays[entry.message.replay_id] = entry
         key.late.append(entry)
@@ -159,7 +159,7 @@ class SequencePolicy:
     def find_replay(self, message: Message) -> Entry | None:
         return self.replays.get(message.replay_id) if message.replay_id else None
 
-    def arrive(self, key: KeyState, message: Message, n: int) -> tuple[Action | None, Entry | None]:
+    def arrive(self, key: KeyLedger, message: Message, n: int) -> tuple[Action | None, Entry | None]:
         seq = self.position(message)
         index = key.index
         held = index.get(seq)
@@ -211,7 +211,7 @@ class SequencePolicy:
             return Hold(message, f"key blocked by a dead letter at sequence {key.cursor}"), entry
         return None, entry
 
-    def pop_head(self, key: KeyState) -> Entry:
+    def pop_head(self, key: KeyLedger) -> Entry:
         """The next releasable entry (precondition: ``key.n_ready > 0``). Looks it up before it
         changes anything: if the books were wrong it raises with the key as it was."""
         late = key.late
@@ -230,7 +230,7 @@ class SequencePolicy:
         key.n_ready -= 1
         return entry
 
-    def give_back(self, key: KeyState, entries: list[Entry]) -> None:
+    def give_back(self, key: KeyLedger, entries: list[Entry]) -> None:
         """Entries (already HELD again, in position order) return to the key's backlog.
 
         In-order ones rewind ``next_out`` to the lowest of them; ``run_end`` stays: every position
@@ -249,22 +249,22 @@ class SequencePolicy:
         if rewind is not None and rewind < key.next_out:  # type: ignore[operator]
             key.next_out = rewind  # type: ignore[assignment]
 
-    def retire(self, key: KeyState, entry: Entry) -> None:
+    def retire(self, key: KeyLedger, entry: Entry) -> None:
         """An in-order entry left the head of ``out`` finished: the cursor passes it."""
         key.cursor = entry.pos + 1  # type: ignore[operator]
         del key.index[entry.pos]
 
-    def forget(self, key: KeyState, entry: Entry) -> None:
+    def forget(self, key: KeyLedger, entry: Entry) -> None:
         """A late entry is finished (acked or dead-lettered); it never moved the cursor."""
         if entry.replayed:
             del self.replays[entry.message.replay_id]
         else:
             del key.index[entry.pos]
 
-    def on_blocked(self, key: KeyState, entry: Entry) -> None:
+    def on_blocked(self, key: KeyLedger, entry: Entry) -> None:
         """Kept in the index: a redelivery of the blocking message stays a duplicate."""
 
-    def pass_restored_block(self, key: KeyState, position: object) -> Entry | None:
+    def pass_restored_block(self, key: KeyLedger, position: object) -> Entry | None:
         """Unblock a key restored blocked (no entry here): ``position`` counts as finished.
 
         Restored blocked, nothing of the key was handed out since, so ``out`` holds only finished
@@ -297,12 +297,12 @@ class SequencePolicy:
         _extend_run(key)
         return copy
 
-    def held_below(self, key: KeyState, pos: object) -> bool:
+    def held_below(self, key: KeyLedger, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""
         heap = key.heap
         return bool(heap) and bool(heap[0] < pos)
 
-    def cursor_if_acked(self, key: KeyState, entry: Entry) -> int | None:
+    def cursor_if_acked(self, key: KeyLedger, entry: Entry) -> int | None:
         """The key's cursor once ``entry``'s ack is durable: past the longest prefix of ``out`` that
         is acking or done, never past a message given back by a nack that waits before it.
 
@@ -332,14 +332,14 @@ class SequencePolicy:
                 break
         return cursor  # type: ignore[return-value]
 
-    def gap(self, key: KeyState) -> int | None:
+    def gap(self, key: KeyLedger) -> int | None:
         """The missing sequence the key waits on, or None when its backlog has no gap at its head."""
         heap = key.heap
         if heap and heap[0] != key.next_out:
             return key.next_out
         return None
 
-    def skip_gap(self, key: KeyState) -> int:
+    def skip_gap(self, key: KeyLedger) -> int:
         """Pass over the missing sequences; returns how many were skipped.
 
         Only what is missing is skipped: up to the lowest sequence the key holds at all, which may be
@@ -380,7 +380,7 @@ class SequencePolicy:
         skipped_count: int = last - first + 1
         return skipped_count
 
-    def waiting_for(self, key: KeyState) -> str:
+    def waiting_for(self, key: KeyLedger) -> str:
         return f"sequence {key.next_out}"
 
 
@@ -391,7 +391,7 @@ def _pos(entry: Entry) -> object:
 _FINISHING = frozenset({2, 4})  # ACKING, DONE: the cursor may count them as passed once durable
 
 
-def _extend_run(key: KeyState) -> None:
+def _extend_run(key: KeyLedger) -> None:
     index = key.index
     end = key.run_end
     ready = 0

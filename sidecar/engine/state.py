@@ -1,7 +1,7 @@
 """Per-message and per-key bookkeeping shared by the ordering policies and the engine core.
 
 Plain mutable records with ``__slots__`` (the hot path creates one ``Entry`` per stored message and
-touches a ``KeyState`` on every event, so attribute access must be cheap and memory small).
+touches a ``KeyLedger`` on every event, so attribute access must be cheap and memory small).
 
 Entry life cycle (``Entry.state``)::
 
@@ -11,7 +11,7 @@ Entry life cycle (``Entry.state``)::
 
 Key invariants (checked by the property tests):
 
-- ``KeyState.out`` holds the in-order entries handed out and not yet retired, sorted by position;
+- ``KeyLedger.out`` holds the in-order entries handed out and not yet retired, sorted by position;
   the key's cursor only moves over a prefix of it whose entries are all DONE, so a cursor never
   passes a message that is still in flight, acking or dead-lettering.
 - ``n_out`` counts entries in OUT or DEAD of the key (late ones too): the in-flight slots. An ACKING
@@ -62,7 +62,7 @@ class Entry:
         "unrecorded_through",
     )
 
-    def __init__(self, message: Message, key: KeyState | None, pos: object, n: int) -> None:
+    def __init__(self, message: Message, key: KeyLedger | None, pos: object, n: int) -> None:
         self.message = message
         self.key = key
         self.pos = pos
@@ -84,12 +84,12 @@ class Entry:
         self.twin: Message | None = None
         self.unrecorded_through: int | None = None
         """sequence mode, while ACKING: the cursor its ack carried; the gap-skipped ranges below it
-        rode on that ack, so they are recorded once it is durable (``KeyState.unrecorded_skips``)."""
+        rode on that ack, so they are recorded once it is durable (``KeyLedger.unrecorded_skips``)."""
         """A fast-path message (``volatile``) that a stored copy of itself reached meanwhile: that
         copy's record stays pending until this one's ack is durable, then is finished as dropped."""
 
 
-class KeyState:
+class KeyLedger:
     """Everything the engine knows about one ordering key."""
 
     __slots__ = (

@@ -201,7 +201,7 @@ class AckIntent:
     but folds nothing into the key's cursor (its position may belong to another message)."""
     skipped: tuple[SkippedRange, ...] = ()
     """sequence mode: the ranges below ``cursor`` that a gap timeout skipped and that no ack made
-    durable has carried yet (``KeyState.unrecorded_skips``). The store records these, and only
+    durable has carried yet (``KeyLedger.unrecorded_skips``). The store records these, and only
     these, as skipped when the cursor passes them: every other sequence a cursor passes was
     finished (acked or dead-lettered), so a copy of it is a duplicate, never late."""
 
@@ -211,6 +211,7 @@ class AckIntent:
 KeyState = Literal[
     "waiting_sequence", "waiting_watermark", "blocked_dead_letter", "backoff", "in_flight", "ready", "idle"
 ]
+"""What a key waits for, as ``status`` reports it (the engine's record of a key is ``state.KeyLedger``)."""
 
 
 @dataclass(frozen=True, slots=True)

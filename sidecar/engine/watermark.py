@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 
 from sidecar.engine.dedup import DedupMemory, dedup_key
-from sidecar.engine.state import Entry, KeyState
+from sidecar.engine.state import Entry, KeyLedger
 from sidecar.engine.types import Action, DeadLetter, DropDuplicate, EngineConfig, Hold, KeyCursor, Message
 
 _FINISHING = frozenset({2, 4})  # ACKING, DONE
@@ -42,10 +42,10 @@ class WatermarkPolicy:
         self._above: list[tuple[int, int, Entry]] = []
         self.watermark_ms: int | None = None
 
-    def new_key(self, key: KeyState) -> None:
+    def new_key(self, key: KeyLedger) -> None:
         key.cursor = None
 
-    def restore_cursor(self, key: KeyState, cursor: KeyCursor) -> None:
+    def restore_cursor(self, key: KeyLedger, cursor: KeyCursor) -> None:
         if cursor.next_sequence is not None:
             raise ValueError(f"key {cursor.key!r}: a sequence cursor (next_sequence) in a watermark-mode snapshot")
         if cursor.last_position is not None:
@@ -55,7 +55,7 @@ class WatermarkPolicy:
         position = cursor.blocked_position
         key.blocked_pos = (int(position[0]), str(position[1])) if cursor.blocked and position is not None else None  # type: ignore[index]
 
-    def export_cursor(self, key: KeyState) -> KeyCursor | None:
+    def export_cursor(self, key: KeyLedger) -> KeyCursor | None:
         if key.cursor is None and not key.blocked:
             return None
         return KeyCursor(
@@ -74,20 +74,20 @@ class WatermarkPolicy:
             )
         return (timestamp_ms, message.dedup_id)
 
-    def replay_place(self, key: KeyState, message: Message) -> str:
+    def replay_place(self, key: KeyLedger, message: Message) -> str:
         """Where a replay that is not at its key's block falls: "behind" (at or behind the key's
         released position: something at or after it reached the app) or "ahead" (in order)."""
         released = key.released
         return "behind" if released is not None and self.position(message) <= released else "ahead"  # type: ignore[operator]
 
     def resume_at(
-        self, key: KeyState, blocking: Entry | None, message: Message, n: int, now_ms: int
+        self, key: KeyLedger, blocking: Entry | None, message: Message, n: int, now_ms: int
     ) -> tuple[Action | None, Entry | None]:
         """A replay of the dead letter the key was blocked at takes its place (the block is lifted):
         back into the key's order at that position (the blocking entry was forgotten when it blocked)."""
         return self.arrive(key, message, n, now_ms, resume=True)
 
-    def add_flagged(self, key: KeyState, entry: Entry) -> None:
+    def add_flagged(self, key: KeyLedger, entry: Entry) -> None:
         """A replay delivered outside the key's order, ahead of its backlog (like a late message)."""
         self.by_id[dedup_key(entry.message)] = entry
         key.late.append(entry)
@@ -95,7 +95,7 @@ class WatermarkPolicy:
         key.n_ready += 1
 
     def arrive(
-        self, key: KeyState, message: Message, n: int, now_ms: int, *, resume: bool = False
+        self, key: KeyLedger, message: Message, n: int, now_ms: int, *, resume: bool = False
     ) -> tuple[Action | None, Entry | None]:
         """``resume``: a replay taking the place of the dead letter its key was blocked at, which
         was released already: it goes back into the key's order there, never late."""
@@ -138,11 +138,11 @@ class WatermarkPolicy:
             return "watermark not yet known"
         return f"watermark at {self.watermark_ms}"
 
-    def advance(self, watermark_ms: int) -> list[KeyState]:
+    def advance(self, watermark_ms: int) -> list[KeyLedger]:
         """Set a higher watermark; returns the keys that got releasable messages."""
         self.watermark_ms = watermark_ms
         above = self._above
-        touched: dict[int, KeyState] = {}
+        touched: dict[int, KeyLedger] = {}
         while above and above[0][0] <= watermark_ms:
             entry = heapq.heappop(above)[2]
             key = entry.key
@@ -150,7 +150,7 @@ class WatermarkPolicy:
             touched[id(key)] = key  # type: ignore[assignment]
         return list(touched.values())
 
-    def pop_head(self, key: KeyState) -> Entry:
+    def pop_head(self, key: KeyLedger) -> Entry:
         """The next releasable entry (precondition: ``key.n_ready > 0``); raises before it changes
         anything if the books were wrong."""
         if key.late:
@@ -163,7 +163,7 @@ class WatermarkPolicy:
         key.n_ready -= 1
         return popped
 
-    def give_back(self, key: KeyState, entries: list[Entry]) -> None:
+    def give_back(self, key: KeyLedger, entries: list[Entry]) -> None:
         # Delivered entries were below the watermark, which never moves back: releasable again.
         for entry in entries:
             key.n_held += 1
@@ -173,33 +173,33 @@ class WatermarkPolicy:
             else:
                 heapq.heappush(key.heap, (entry.pos, entry.n, entry))
 
-    def retire(self, key: KeyState, entry: Entry) -> None:
+    def retire(self, key: KeyLedger, entry: Entry) -> None:
         pos = entry.pos
         if key.cursor is None or pos > key.cursor:  # type: ignore[operator]
             key.cursor = pos
         self.forget(key, entry)
 
-    def forget(self, key: KeyState, entry: Entry) -> None:
+    def forget(self, key: KeyLedger, entry: Entry) -> None:
         message = entry.message
         # pop: an entry that blocked its key was forgotten then and is retired after an unblock.
         identity = dedup_key(message)
         self.by_id.pop(identity, None)
         self.memory.remember(identity, message.stored_at_ms)
 
-    def on_blocked(self, key: KeyState, entry: Entry) -> None:
+    def on_blocked(self, key: KeyLedger, entry: Entry) -> None:
         self.forget(key, entry)
 
-    def pass_restored_block(self, key: KeyState, position: object) -> Entry | None:
+    def pass_restored_block(self, key: KeyLedger, position: object) -> Entry | None:
         """Unblock a key restored blocked: the next ack's cursor moves past the dead letter. A copy of
         it stored again after its tombstone expired is not looked for here (it is delivered)."""
         return None
 
-    def held_below(self, key: KeyState, pos: object) -> bool:
+    def held_below(self, key: KeyLedger, pos: object) -> bool:
         """A message given back by a nack waits before ``pos``: the cursor must not pass it."""
         heap = key.heap
         return bool(heap) and heap[0][0] < pos
 
-    def cursor_if_acked(self, key: KeyState, entry: Entry) -> tuple[int, str] | None:
+    def cursor_if_acked(self, key: KeyLedger, entry: Entry) -> tuple[int, str] | None:
         cursor = key.cursor
         if not entry.late:
             for handed in key.out:
@@ -215,5 +215,5 @@ class WatermarkPolicy:
     def find(self, message: Message) -> Entry | None:
         return self.by_id.get(dedup_key(message))
 
-    def head_timestamp_ms(self, key: KeyState) -> int | None:
+    def head_timestamp_ms(self, key: KeyLedger) -> int | None:
         return key.heap[0][0][0] if key.heap else None
