@@ -1,8 +1,11 @@
 """What the app holds: ``Message`` (one delivery, as plain Python values) and the connection
 generation (``_Stream``) that delivered it.
 
-A delivery id is valid only on the stream that delivered it, so each message keeps a reference to
-its ``_Stream``; the subscriber drops acks for messages whose stream is gone.
+Rules this module keeps:
+- A delivery id is valid only on the stream that delivered it, so each message keeps a reference to
+  its ``_Stream``; the subscriber drops acks for messages whose stream is gone.
+- A message settles (ack, nack) through whatever delivered it, seen only as a ``_Settler``: this
+  module does not import the subscriber, which builds messages and imports this module.
 """
 
 from __future__ import annotations
@@ -10,15 +13,26 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from google.protobuf import duration_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from pubsub_sidecar_client.errors import NotConfirmed
 
-if TYPE_CHECKING:
-    from pubsub_sidecar_client.subscriber import OrderedSubscriber
+
+class _Settler(Protocol):
+    """What settles a message: ``OrderedSubscriber`` queues the ack or nack on the message's stream
+    and returns False when it is dropped (settled already, or the stream is gone)."""
+
+    def _settle(
+        self,
+        message: Message,
+        *,
+        ack: bool,
+        retry_after: timedelta | float | None = None,
+        dead_letter: bool = False,
+    ) -> bool: ...
 
 
 class _Stream:
@@ -76,7 +90,7 @@ class Message:
     """The fencing token of this key: its shard's lease epoch at the delivering sidecar (0 without
     leases). Grows whenever the key moves to another sidecar; refuse side effects of a lower one."""
     replayed: bool
-    _subscriber: OrderedSubscriber = field(repr=False)
+    _subscriber: _Settler = field(repr=False)
     _stream: _Stream = field(repr=False)
     _settled: bool = field(default=False, repr=False)
     _is_confirmed: bool = field(default=False, repr=False)
@@ -146,4 +160,3 @@ def _to_duration(retry_after: timedelta | float) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
     duration.FromNanoseconds(round(seconds * 1e9))
     return duration
-
