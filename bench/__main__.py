@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.cost_report import compare_table, load_runs
-from bench.harness import PROFILER, BenchError, Emulators, PubSub
-from bench.scenarios import METRIC_DELAY_SECONDS, METRIC_PERIOD_SECONDS, Result, Runner, Sizes, resolve
+from bench.emulators_process import Emulators
+from bench.harness import BenchError
+from bench.pubsub_clients import PubSub
+from bench.runner import Runner
+from bench.scenarios import METRIC_DELAY_SECONDS, METRIC_PERIOD_SECONDS, Result, Sizes, resolve
+from bench.sidecar_process import PROFILER
 from bench.tables import render_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from bench.harness import TIMESTAMP_ATTRIBUTE, subscriber_client
+from bench.pubsub_clients import TIMESTAMP_ATTRIBUTE, subscriber_client
 
 _REPORT_SECONDS = 0.02
 

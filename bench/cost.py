@@ -35,23 +35,17 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from bench.app import BenchApp, wait_acks_durable
 from bench.cost_report import HOTSPOT_LIMIT_PER_SECOND, LIST_PRICES, peak_hotspot, price_per_million, report
-from bench.harness import Outgoing, Sidecar, billed_operations, cpu_seconds, numeric_counters, write_sidecar_config
-from bench.scenarios import (
-    SHUFFLED_FRACTION,
-    BenchApp,
-    Result,
-    Scenario,
-    build_stream,
-    phase_timeout,
-    subscription_entry,
-    wait_acks_durable,
-)
-
-if TYPE_CHECKING:
-    from bench.scenarios import Runner
+from bench.emulators_process import billed_operations, numeric_counters
+from bench.harness import cpu_seconds
+from bench.pubsub_clients import Outgoing
+from bench.run_context import RunContext
+from bench.scenarios import Result, Scenario
+from bench.sidecar_process import Sidecar, write_sidecar_config
+from bench.workload import SHUFFLED_FRACTION, build_stream, phase_timeout, subscription_entry
 
 IDLE_SECONDS = 10.0
 DEDUP_TTL = "7d"
@@ -94,19 +88,19 @@ def stream_for(run: CostRun, count: int) -> tuple[list[Outgoing], int, float]:
     return stream, distinct, shuffled
 
 
-async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str, Any]:
-    sizes = runner.sizes
+async def _one_run(context: RunContext, scenario: Scenario, run: CostRun) -> dict[str, Any]:
+    sizes = context.sizes
     count = sizes.cost_many_keys_messages if run.keys >= 10_000 else sizes.cost_messages
     stream, distinct, shuffled = stream_for(run, count)
-    subscription = runner.pubsub.create(f"{scenario.name}-{run.name}-{uuid.uuid4().hex[:8]}")
+    subscription = context.pubsub.create(f"{scenario.name}-{run.name}-{uuid.uuid4().hex[:8]}")
     entry = subscription_entry(Scenario(run.name, "sidecar", run.mode, run.keys), subscription)
     entry["dedup"]["ttl"] = DEDUP_TTL
     config = write_sidecar_config(
-        runner.workdir / f"{scenario.name}-{run.name}.yaml",
+        context.workdir / f"{scenario.name}-{run.name}.yaml",
         root=f"bench-{scenario.name}-{run.name}-{uuid.uuid4().hex[:6]}",
         subscription=entry,
     )
-    emulators = runner.emulators
+    emulators = context.emulators
     # The sweep acts on the whole emulator: sweep what earlier scenarios and runs left (their TTL
     # documents), before this run's sidecar exists, so that the closing sweep deletes, and the
     # counters bill, this run's documents only.
@@ -129,7 +123,7 @@ async def _one_run(runner: Runner, scenario: Scenario, run: CostRun) -> dict[str
         stream_started = time.monotonic()
         idle_seconds = stream_started - window_started
         cpu_before = cpu_seconds(sidecar.pid)
-        started = await asyncio.to_thread(runner.pubsub.publish, subscription, stream)
+        started = await asyncio.to_thread(context.pubsub.publish, subscription, stream)
         await app.wait_for(distinct, phase_timeout(count))
         elapsed = app.last_at - started
         await wait_acks_durable(sidecar, distinct)
@@ -253,23 +247,23 @@ def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return listed
 
 
-async def run_cost(runner: Runner, scenario: Scenario) -> Result:
+async def run_cost(context: RunContext, scenario: Scenario) -> Result:
     runs: list[dict[str, Any]] = []
     for run in RUNS:
         print(f"bench: cost: {run.name}", flush=True)
         try:
-            runs.append(await _one_run(runner, scenario, run))
+            runs.append(await _one_run(context, scenario, run))
         except Exception as exc:
             # The other runs still tell something; the scenario reports the failure at the end.
             print(f"bench: cost: {run.name} FAILED: {exc}", file=sys.stderr, flush=True)
             runs.append({"run": run.name, "mode": run.mode, "keys": run.keys, "error": str(exc)})
-    notes = list(runner.emulators.notes)
+    notes = list(context.emulators.notes)
     notes += sorted({note for run in runs for note in run.get("notes", [])})
     extra: dict[str, Any] = {
         "runs": runs,
         "goals": goals(runs),
         "notes": notes,
-        "firestore_indexes": runner.emulators.firestore_indexes_used,
+        "firestore_indexes": context.emulators.firestore_indexes_used,
         "idle_seconds": IDLE_SECONDS,
         "list_prices": {
             "as_of": LIST_PRICES.as_of,

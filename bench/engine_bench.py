@@ -33,9 +33,7 @@ def build_stream(messages: int, keys: int, seed: int = 7) -> tuple[list[Message]
     by_key = []
     for k in range(keys):
         name = f"key-{k}"
-        seqs = [
-            Message(name, f"{name}/{s}", f"m-{k}-{s}", _FINGERPRINT, 0, sequence=s) for s in range(1, per_key + 1)
-        ]
+        seqs = [Message(name, f"{name}/{s}", f"m-{k}-{s}", _FINGERPRINT, 0, sequence=s) for s in range(1, per_key + 1)]
         for i in range(len(seqs) - 1):
             if rng.random() < 0.10:
                 seqs[i], seqs[i + 1] = seqs[i + 1], seqs[i]
@@ -92,8 +90,10 @@ def run(messages: int, keys: int, *, freeze_input: bool = True) -> None:
     print(f"acked:                     {acked:,} (buffered left: {status.buffered})")
     print(f"on_stored only:            {len(stream) / (store_done - started):,.0f} msg/s")
     print(f"end to end (store+take+ack+durable): {len(stream) / total:,.0f} msg/s ({total:.2f} s)")
-    print(f"engine memory while held:  {held_bytes / distinct:,.0f} bytes/message (tracemalloc, store phase "
-          f"{stored_seconds:.1f} s under tracing)")
+    print(
+        f"engine memory while held:  {held_bytes / distinct:,.0f} bytes/message (tracemalloc, store phase "
+        f"{stored_seconds:.1f} s under tracing)"
+    )
     if acked != distinct:
         raise SystemExit(f"lost messages: acked {acked} of {distinct}")
 

@@ -1,6 +1,6 @@
 """Summarise and draw a py-spy profile (collapsed stacks, ``py-spy record --format raw``).
 
-    python -m bench --scenario seq-100keys --py-spy /tmp/prof      # record (see bench.harness.Profiler)
+    python -m bench --scenario seq-100keys --py-spy /tmp/prof      # record (see bench.sidecar_process.Profiler)
     python -m bench.profile_report /tmp/prof/seq-100keys.txt --svg bench/results/seq-100keys.svg
 
 Prints the total samples, then the functions with the largest inclusive share (a function counted

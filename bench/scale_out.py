@@ -32,23 +32,18 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from bench.harness import (
-    BenchError,
-    Outgoing,
-    Sidecar,
-    billed_operations,
-    cpu_seconds,
-    wait_until,
-    write_sidecar_config,
-)
-from bench.scenarios import BenchApp, Result, Scenario, build_stream, phase_timeout, subscription_entry
+from bench.app import BenchApp
+from bench.emulators_process import billed_operations
+from bench.harness import BenchError, cpu_seconds, wait_until
+from bench.pubsub_clients import Outgoing
+from bench.run_context import RunContext
+from bench.scenarios import Result, Scenario
+from bench.sidecar_process import Sidecar, write_sidecar_config
+from bench.workload import build_stream, phase_timeout, subscription_entry
 from pubsub_sidecar_client.status import get_status
 from sidecar.shards import shard_of
-
-if TYPE_CHECKING:
-    from bench.scenarios import Runner
 
 SHARDS = 16
 PODS = 3
@@ -73,7 +68,7 @@ TAKEOVER_TIMEOUT_SECONDS = 60.0
 class Fleet:
     """The pods of one subscription, all from one config file; ``apps[i]`` reads from ``pods[i]``."""
 
-    runner: Runner
+    context: RunContext
     subscription: str
     config_name: str
     lease_seconds: float
@@ -84,9 +79,9 @@ class Fleet:
     _apps_stopped: set[int] = field(default_factory=set)
 
     @classmethod
-    def create(cls, runner: Runner, scenario: Scenario, tag: str, lease_seconds: float) -> Fleet:
+    def create(cls, context: RunContext, scenario: Scenario, tag: str, lease_seconds: float) -> Fleet:
         name = f"{scenario.name}-{tag}"
-        return cls(runner, runner.pubsub.create(f"{name}-{uuid.uuid4().hex[:8]}"), name, lease_seconds)
+        return cls(context, context.pubsub.create(f"{name}-{uuid.uuid4().hex[:8]}"), name, lease_seconds)
 
     async def start(self, scenario: Scenario, count: int) -> None:
         entry = subscription_entry(scenario, self.subscription)
@@ -96,12 +91,12 @@ class Fleet:
             "drain_timeout": DRAIN_TIMEOUT,
         }
         config = write_sidecar_config(
-            self.runner.workdir / f"{self.config_name}.yaml",
+            self.context.workdir / f"{self.config_name}.yaml",
             root=f"bench-{self.config_name}-{uuid.uuid4().hex[:6]}",
             subscription=entry,
         )
         for index in range(count):
-            pod = Sidecar(config, {**self.runner.emulators.env, "POD_NAME": f"pod-{index}"})
+            pod = Sidecar(config, {**self.context.emulators.env, "POD_NAME": f"pod-{index}"})
             self.pods.append(pod)
             pod.start()
             self.live.append(index)
@@ -186,7 +181,7 @@ def _first_arrival(apps: Sequence[BenchApp], shards: set[int], after: float) -> 
 
 async def _idle_upkeep(fleet: Fleet) -> dict[str, float]:
     """Firestore operations per pod per minute while the fleet idles for ``UPKEEP_SECONDS``."""
-    emulators = fleet.runner.emulators
+    emulators = fleet.context.emulators
     emulators.reset_firestore_counters()
     started = time.monotonic()
     await asyncio.sleep(UPKEEP_SECONDS)  # the measured window itself, not a synchronisation
@@ -198,23 +193,23 @@ async def _idle_upkeep(fleet: Fleet) -> dict[str, float]:
     return per_pod_minute
 
 
-async def _throughput(runner: Runner, scenario: Scenario, pods: int) -> tuple[dict[str, Any], Fleet]:
+async def _throughput(context: RunContext, scenario: Scenario, pods: int) -> tuple[dict[str, Any], Fleet]:
     """Idle upkeep, then the stream, on a new fleet of ``pods``; returns the figures and the fleet
     (still running: the caller stops it)."""
-    fleet = Fleet.create(runner, scenario, f"{pods}pod", LEASE_SECONDS)
+    fleet = Fleet.create(context, scenario, f"{pods}pod", LEASE_SECONDS)
     await fleet.start(scenario, pods)
     await fleet.wait_balanced()
     upkeep = await _idle_upkeep(fleet)
-    count = runner.sizes.messages
+    count = context.sizes.messages
     stream, distinct = build_stream(count, scenario.keys, "throughput", "k-", seed=1)
-    runner.emulators.reset_firestore_counters()
+    context.emulators.reset_firestore_counters()
     window_started = time.monotonic()
     cpu_before = fleet.cpu_seconds()
-    started = await asyncio.to_thread(runner.pubsub.publish, fleet.subscription, stream)
+    started = await asyncio.to_thread(context.pubsub.publish, fleet.subscription, stream)
     await fleet.wait_delivered(distinct, phase_timeout(count))
     elapsed = max(app.last_at for app in fleet.apps) - started
     await fleet.wait_acks_durable(distinct)
-    counters = runner.emulators.firestore_counters()
+    counters = context.emulators.firestore_counters()
     window_seconds = time.monotonic() - window_started
     cpu_used = fleet.cpu_seconds() - cpu_before
     operations = billed_operations(counters)
@@ -242,14 +237,14 @@ async def _throughput(runner: Runner, scenario: Scenario, pods: int) -> tuple[di
 async def _takeover(fleet: Fleet, how: str) -> dict[str, Any]:
     """Steady traffic on the balanced fleet; ``how`` ("kill9" or "sigterm") stops pod 1; the time
     from the signal to the first delivery, by another pod, of a key of one of its shards."""
-    runner = fleet.runner
+    context = fleet.context
     victim = 1
     count = int(STEADY_RATE_PER_SECOND * STEADY_SECONDS)
     # A new key prefix per take-over: sequences start at 1 on keys no earlier phase touched.
     stream = [Outgoing(f"{how}-{i % STEADY_KEYS}", i // STEADY_KEYS + 1, how) for i in range(count)]
     owned = await fleet.wait_balanced()
     publishing = asyncio.create_task(
-        asyncio.to_thread(runner.pubsub.publish, fleet.subscription, stream, STEADY_RATE_PER_SECOND)
+        asyncio.to_thread(context.pubsub.publish, fleet.subscription, stream, STEADY_RATE_PER_SECOND)
     )
     try:
         # Traffic flows through every pod before the signal.
@@ -289,17 +284,17 @@ async def _takeover(fleet: Fleet, how: str) -> dict[str, Any]:
     }
 
 
-async def run_scale_out(runner: Runner, scenario: Scenario) -> Result:
+async def run_scale_out(context: RunContext, scenario: Scenario) -> Result:
     fleets: list[Fleet] = []
     try:
-        one, fleet = await _throughput(runner, scenario, 1)
+        one, fleet = await _throughput(context, scenario, 1)
         fleets.append(fleet)
         one["exit_codes"] = await fleet.stop()
-        three, fleet = await _throughput(runner, scenario, PODS)
+        three, fleet = await _throughput(context, scenario, PODS)
         fleets.append(fleet)
         handover = await _takeover(fleet, "sigterm")
         three["exit_codes"] = await fleet.stop()
-        fleet = Fleet.create(runner, scenario, "failover", FAILOVER_LEASE_SECONDS)
+        fleet = Fleet.create(context, scenario, "failover", FAILOVER_LEASE_SECONDS)
         fleets.append(fleet)
         await fleet.start(scenario, PODS)
         failover = await _takeover(fleet, "kill9")

@@ -22,8 +22,10 @@ from bench.cost import RUNS
 from bench.cost import goals as cost_goals
 from bench.cost import stream_for as cost_stream
 from bench.cost_report import LIST_PRICES, compare_table, load_runs, price_per_million
-from bench.harness import BenchError, billed_operations, numeric_counters, percentile
-from bench.scenarios import Result, build_stream, resolve
+from bench.emulators_process import billed_operations, numeric_counters
+from bench.harness import BenchError, percentile
+from bench.scenarios import Result, resolve
+from bench.workload import build_stream
 
 _REPO = Path(__file__).resolve().parent.parent
 
