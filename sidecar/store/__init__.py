@@ -11,6 +11,8 @@ One job per module (read them in this order):
 - ``documents``: the seam to a document database: plain writes, reads and queries.
 - ``persist``, ``document_store``, ``reader``: the ``Store`` over that seam (what to write, in which
   Commit; what to read back at recovery and delivery).
+- ``flusher``: the background flush of the cursors and checkpoints left lagging.
+- ``shard_reads``: what a load reads of its shards, handed to ``recovery``.
 - ``firestore``: the seam on Firestore; the only module that imports google-cloud-firestore.
 - ``memory_documents``: the seam in memory, with Firestore's semantics (crash simulation, tests).
 - ``memory``: a simpler in-memory ``Store`` for delivery tests and benchmarks. Not durable.

@@ -54,6 +54,7 @@ from typing import Any
 
 from sidecar.engine.types import AckIntent, DeadLetterPolicy, KeyCursor, Message, Mode
 from sidecar.shards import shard_of
+from sidecar.store.api import SubscriptionStoreConfig
 
 Position = tuple[int, str]
 Cursor = int | Position
@@ -141,6 +142,12 @@ class CursorRules:
     def new_state(self, key: str) -> KeyState:
         start = self.sequence_start if self.mode == "sequence" else None
         return KeyState(key, next_sequence=start, known_from=start)
+
+
+def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
+    """The fold's rules for a subscription's configuration."""
+    start = None if config.first_sequence_any else config.sequence_start
+    return CursorRules(config.mode, config.on_dead_letter, start, config.shards)
 
 
 MAX_SKIPS = 64

@@ -25,8 +25,11 @@ Writes, and why:
   documents are current, and ``load`` folds in the tombstones finished since then
   (``sidecar.store.recovery``). With a ``FenceSource`` every such Commit is fenced by the leases of
   the shards it touches (``sidecar.store.fencing``): a pod that lost a shard cannot advance its keys.
+- The cursors and checkpoints left lagging (and the fast-path acks waiting for a checkpoint) are
+  written by the background flush, a part of the shards at a time (``sidecar.store.flusher``).
 - ``load`` reads the subscription document, the cursor documents, the pending messages and the
-  recent tombstones, and leaves every decision to the pure ``recovery.recover``. With
+  recent tombstones (``sidecar.store.shard_reads``), and leaves every decision to the pure
+  ``recovery.recover``. With
   ``pending=False`` it reads all but the pending messages, which ``pending_pages`` then yields a
   query page at a time (``recovery.restorable`` checks and orders each page).
 
@@ -41,10 +44,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
-from sidecar.backoff import backoff_seconds
 from sidecar.engine.types import AckIntent, EngineSnapshot, KeyCursor, Message
 from sidecar.store import documents as docs
 from sidecar.store import layout, recovery
@@ -60,17 +61,16 @@ from sidecar.store.api import (
     SubscriptionStoreConfig,
 )
 from sidecar.store.cursor_book import CursorBook
-from sidecar.store.cursors import CursorRules, fold_unblock, is_blocked, key_cursor, position_of
+from sidecar.store.cursors import fold_unblock, is_blocked, key_cursor, position_of, rules_of
 from sidecar.store.fencing import FenceSource, Finish, ShardWriter, Subscription
+from sidecar.store.flusher import CheckpointFlusher
 from sidecar.store.inbox import InboxListening, listen_inbox
 from sidecar.store.layout import message_path
 from sidecar.store.persist import Persister
 from sidecar.store.reader import Progress, Reader
+from sidecar.store.shard_reads import read_shards, running_total, stopped
 
 _LOGGER = logging.getLogger(__name__)
-
-_A = TypeVar("_A")
-_B = TypeVar("_B")
 
 _LOADS_AT_ONCE = 4
 """Shard loads reading at once: enough to keep Firestore and the decoding busy together (each load
@@ -79,51 +79,9 @@ runs its three reads at once too), few enough that the pages in memory stay a ha
 _TOMBSTONES_PER_COMMIT = 400
 """Leaves 100 writes of each ack Commit for piggybacked cursor documents and the checkpoint."""
 
-_FLUSH_ROUNDS = 4
-"""The background flush writes the due checkpoints of at most 1/``_FLUSH_ROUNDS`` of a
-subscription's shards at a time, and the next such part ``interval / _FLUSH_ROUNDS`` later: the
-shards' checkpoints fall into that many phases of the interval instead of one. All at once, one
-flush built every shard's checkpoint and settled every fast-path ack of the interval in one step
-of the event loop (and one Commit), a pause of 10-20 ms each interval that every message arriving
-meanwhile waited out. Each shard is still written at most once per interval; acks wait as long on
-average once the phases are set (in the first interval, up to three quarters of it longer)."""
-
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-async def _then(first: Awaitable[_A], then: Callable[[_A], Awaitable[_B]]) -> _B:
-    """``then(await first)``: a read that needs another's answer, as one awaitable."""
-    return await then(await first)
-
-
-async def _nothing() -> list[Message]:
-    """What ``load(pending=False)`` reads of pending messages."""
-    return []
-
-
-def _stopped(sub: Subscription, exc: Exception) -> StoreRejected:
-    """A load or a pending page refused a document: one line naming the subscription and the document."""
-    return StoreRejected(f"recovery of subscription {sub.name!r} stopped at {sub.path}: {exc}")
-
-
-def _running_total(progress: Progress | None) -> Progress:
-    """A callback taking each read's document count, passing ``progress`` the total so far."""
-    total = 0
-
-    def count(n: int) -> None:
-        nonlocal total
-        total += n
-        if progress is not None:
-            progress(total)
-
-    return count
-
-
-def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
-    start = None if config.first_sequence_any else config.sequence_start
-    return CursorRules(config.mode, config.on_dead_letter, start, config.shards)
 
 
 class DocumentStore:
@@ -155,22 +113,19 @@ class DocumentStore:
         self._documents = documents
         self._clock_ms = clock_ms
         self._root = root
-        self._interval_ms = cursor_write_interval_ms
         self._subscriptions = {
             name: Subscription(name, config, f"{root}/{name}", CursorBook(rules_of(config), cursor_write_interval_ms))
             for name, config in subscriptions.items()
         }
         self._persister = Persister(documents, message_path)
         self._reader = Reader(documents)
-        self._background_flush = background_flush
         if not 1 <= tombstones_per_commit <= _TOMBSTONES_PER_COMMIT:
             raise ValueError(f"tombstones_per_commit: must be 1..{_TOMBSTONES_PER_COMMIT}, got {tombstones_per_commit}")
         self._writer = ShardWriter(documents, fences, cursor_write_interval_ms, tombstones_per_commit)
         """Plans the Commits that advance keys (tombstones per Commit: lower only in tests)."""
-        self._flush_wake = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
-        self._loss_watchers: dict[str, Callable[[ShardLost], None]] = {}
-        """Per subscription: told of shards the background flush found lost (``watch_losses``)."""
+        self._flusher = CheckpointFlusher(
+            self._subscriptions, self._writer, cursor_write_interval_ms, clock_ms, enabled=background_flush
+        )
         self._load_slots = asyncio.Semaphore(_LOADS_AT_ONCE)
 
     def _sub(self, name: str) -> Subscription:
@@ -243,7 +198,7 @@ class DocumentStore:
                 waiter: asyncio.Future[None] = loop.create_future()
                 sub.waiters.setdefault(shard, []).append(waiter)
                 waits.append(waiter)
-        self._maybe_wake_flusher(sub)
+        self._flusher.wake(sub)
         for result in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(result, ShardLost):
                 out.update({shard: result.epochs.get(shard) for shard in result.shards})
@@ -294,7 +249,7 @@ class DocumentStore:
             if refused:
                 items = [item for item in items if sub.shard(item.message.key) not in refused]
             lost = await self._writer.finish(sub, items, now_ms) if items else set()
-        self._maybe_wake_flusher(sub)
+        self._flusher.wake(sub)
         if lost or refused:
             if lost:
                 _LOGGER.warning("store: %s of %s: shard(s) %s lost to another owner", what, sub.name, sorted(lost))
@@ -321,73 +276,9 @@ class DocumentStore:
             raise ShardLost(sub.name, lost, sub.lost_at(lost))
         return position
 
-    def _maybe_wake_flusher(self, sub: Subscription) -> None:
-        if not self._background_flush or not (sub.book.has_dirty() or sub.stale or any(sub.waiters.values())):
-            return
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_loop(), name="store-cursor-flush")
-        self._flush_wake.set()
-
-    async def _flush_loop(self) -> None:
-        """Writes the checkpoints (and cursors) left lagging, each as soon as it is due, a part of
-        the shards at a time (``_FLUSH_ROUNDS``)."""
-        failures = 0
-        paced_until_ms = 0
-        while True:
-            await self._flush_wake.wait()
-            self._flush_wake.clear()
-            # Acks waiting for a checkpoint: until the first is due (each shard's at most once per
-            # interval). Otherwise an interval: cursors of stored messages are already durable.
-            now_ms = self._clock_ms()
-            due = [self._writer.next_due_ms(sub, now_ms) for sub in self._subscriptions.values()]
-            first = max(paced_until_ms, min((ms for ms in due if ms is not None), default=now_ms + self._interval_ms))
-            if failures:
-                # The store failed: retried soon (a Commit failing at 10-20% must not cost the acks
-                # waiting for it a whole interval per failure), and backing off to an interval.
-                first = max(first, now_ms + int(1000 * self._flush_backoff_seconds(failures - 1)))
-            await asyncio.sleep(max(0, first - now_ms) / 1000)
-            failed = False
-            for sub in self._subscriptions.values():
-                try:
-                    if await self._flush_part(sub):
-                        # More shards are due: the next part one round later.
-                        paced_until_ms = self._clock_ms() + self._interval_ms // _FLUSH_ROUNDS
-                        self._flush_wake.set()
-                except ShardLost as exc:
-                    # Their updates are dropped (the new owner has the shards), never retried; the
-                    # runtime drops them too, and tells the lease manager.
-                    _LOGGER.warning("store: cursor flush of %s: %s; their cursor updates are dropped", sub.name, exc)
-                    watcher = self._loss_watchers.get(sub.name)
-                    if watcher is not None:
-                        watcher(exc)
-                except StoreError as exc:
-                    _LOGGER.warning("store: cursor flush of %s failed, will retry: %s", sub.name, exc)
-                    failed = True
-                    self._flush_wake.set()
-                    continue
-                self._maybe_wake_flusher(sub)
-            failures = failures + 1 if failed else 0
-
-    def _flush_backoff_seconds(self, attempt: int) -> float:
-        """Before the flush's next try after ``attempt + 1`` failures in a row: capped exponential
-        with jitter, from 50 ms up to the checkpoint interval."""
-        return backoff_seconds(attempt, min(0.05, self._interval_ms / 1000), self._interval_ms / 1000)
-
-    async def _flush_part(self, sub: Subscription) -> bool:
-        """One round of the background flush for ``sub``: the due shards written longest ago, at most
-        1/``_FLUSH_ROUNDS`` of its shards. True when more are due. Raises as ``flush``."""
-        per_round = -(-sub.config.shards // _FLUSH_ROUNDS)
-        async with sub.lock:
-            now_ms = self._clock_ms()
-            lost = await self._writer.flush(sub, now_ms, max_shards=per_round)
-            more = bool(self._writer.due_shards(sub, now_ms))
-        if lost:
-            raise ShardLost(sub.name, lost, sub.lost_at(lost))
-        return more
-
     async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
         """Write every due dirty cursor and checkpoint now (the background task writes them a part at
-        a time: ``_flush_part``); with ``shards``, those shards' unwritten cursors and checkpoints,
+        a time: ``sidecar.store.flusher``); with ``shards``, those shards' unwritten cursors and checkpoints,
         due or not (``Store.flush``: before a hand-over). Raises ShardLost after writing the rest
         when shards were lost (their updates are dropped)."""
         sub = self._sub(subscription)
@@ -399,27 +290,6 @@ class DocumentStore:
             raise ShardLost(sub.name, lost, sub.lost_at(lost))
 
     # ---- load -----------------------------------------------------------------------------------
-
-    async def _checkpoints(
-        self, sub: Subscription, shards: frozenset[int], now_ms: int
-    ) -> tuple[dict[int, int | None], list[tuple[str, dict[str, Any]]]]:
-        """Check the subscription document (create it on first use); the checkpoints of ``shards``
-        (``clean_ms`` per shard) and the cursors their overlays hold (key document id, fields)."""
-        paths = {shard: layout.checkpoint_path(sub.path, shard) for shard in sorted(shards)}
-        found = await self._documents.get_all([sub.path, *paths.values()])
-        fields = found.get(sub.path)
-        overlays = [entry for path in paths.values() for entry in recovery.overlay_of(path, found.get(path))]
-        if fields is None:
-            created = {"name": sub.name, "mode": sub.config.mode, "created_ms": now_ms, "v": layout.LAYOUT_VERSION}
-            try:
-                await self._documents.commit([docs.create(sub.path, created)])
-            except docs.AlreadyExists:
-                return await self._checkpoints(sub, shards, now_ms)  # another process created it meanwhile
-            # A new subscription: nothing of it exists, every shard is clean now.
-            stored = {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}
-            return {shard: now_ms if clean is None else clean for shard, clean in stored.items()}, overlays
-        recovery.check_subscription(sub.name, sub.config.mode, sub.path, fields)
-        return {shard: recovery.checkpoint_of(path, found.get(path)) for shard, path in paths.items()}, overlays
 
     async def load(
         self,
@@ -434,51 +304,13 @@ class DocumentStore:
     ) -> EngineSnapshot:
         sub = self._sub(subscription)
         self._check_shards(sub, shards, "load")
-        count = _running_total(progress)
         wanted = frozenset(range(sub.config.shards)) if shards is None else shards
         budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
-        reader = self._reader
-
-        async def recent(checkpoints: dict[int, int | None]) -> list[tuple[str, dict[str, Any]]]:
-            since = recovery.since_ms(checkpoints.values())
-            ranges = []
-            for shard in sorted(wanted):
-                # One range per shard (``layout.DONE_AT``): no index hotspot, and only this load's shards.
-                low, high = layout.done_at_range(shard, since)
-                where = [
-                    docs.Filter(layout.DONE_AT, "GREATER_THAN_OR_EQUAL", low),
-                    docs.Filter(layout.DONE_AT, "LESS_THAN", high),
-                ]
-                ranges.append(reader.query_all(sub.path, "messages", where, layout.DONE_AT, count))
-            return [found for part in await asyncio.gather(*ranges) for found in part]
-
-        # Not under ``sub.lock``: the reads are most of a load, and other shards' acks and flushes
-        # must not wait for them. Nothing of this pod writes to ``wanted`` meanwhile (the caller's
-        # contract: with fences, a shard being taken is not held yet, so its writes are refused).
-        # The three reads go at once; the tombstones' range needs the checkpoints first.
-        async with self._load_slots:
-            try:
-                checkpoints_read = asyncio.ensure_future(self._checkpoints(sub, wanted, now_ms))
-                tombstones = asyncio.ensure_future(_then(checkpoints_read, lambda found: recent(found[0])))
-                cursor_reads = asyncio.ensure_future(reader.query_shards(sub.path, "keys", shards, count))
-                pending_reads = asyncio.ensure_future(
-                    reader.load_pending(sub.path, budget, count, shards) if pending else _nothing()
-                )
-                reads = asyncio.gather(checkpoints_read, tombstones, cursor_reads, pending_reads)
-                try:
-                    (checkpoints, overlays), recent_docs, cursor_docs, pending_read = await reads
-                except BaseException:
-                    reads.cancel()
-                    for read in (checkpoints_read, tombstones, cursor_reads, pending_reads):
-                        read.cancel()
-                    raise
-                since = recovery.since_ms(checkpoints.values())
-                recovered = recovery.recover(
-                    rules_of(sub.config), cursor_docs, recent_docs, pending_read, since, shards, overlays=overlays
-                )
-                del cursor_docs, recent_docs, pending_read  # the snapshot holds what is needed of them
-            except (recovery.ModeMismatch, layout.CorruptDocument) as exc:
-                raise _stopped(sub, exc) from exc
+        async with self._load_slots:  # the reads take no lock (``sidecar.store.shard_reads``)
+            read = await read_shards(
+                self._documents, self._reader, sub, shards, now_ms, budget, running_total(progress), pending=pending
+            )
+        checkpoints, since, recovered = read.checkpoints, read.since_ms, read.recovered
         async with sub.lock:
             # Only the book: replaced for these shards in one step (no await), so a concurrent load
             # of other shards, or a flush, sees it before or after, never half restored.
@@ -490,7 +322,7 @@ class DocumentStore:
                 sub.checkpoint_ms[shard] = clean
                 if clean is None:
                     sub.stale.add(shard)  # written by the next flush, so the next load reads less
-        self._maybe_wake_flusher(sub)
+        self._flusher.wake(sub)
         return recovered.snapshot
 
     async def pending_pages(
@@ -507,7 +339,7 @@ class DocumentStore:
         self._check_shards(sub, shards, "pending_pages")
         budget = PayloadBudget(max_payload_bytes) if isinstance(max_payload_bytes, int) else max_payload_bytes
         pages = self._reader.pending_pages(
-            sub.path, budget, _running_total(progress), shards, attempts=None, slots=self._load_slots
+            sub.path, budget, running_total(progress), shards, attempts=None, slots=self._load_slots
         )
         async with contextlib.aclosing(pages):
             while True:
@@ -517,7 +349,7 @@ class DocumentStore:
                 except StopAsyncIteration:
                     return
                 except layout.CorruptDocument as exc:
-                    raise _stopped(sub, exc) from exc
+                    raise stopped(sub, exc) from exc
                 yield ordered
 
     @staticmethod
@@ -550,7 +382,7 @@ class DocumentStore:
 
     def watch_losses(self, subscription: str, callback: Callable[[ShardLost], None]) -> None:
         self._sub(subscription)
-        self._loss_watchers[subscription] = callback
+        self._flusher.watch_losses(subscription, callback)
 
     def release(self, subscription: str, shards: frozenset[int]) -> None:
         self._sub(subscription).forget(shards)
@@ -565,11 +397,7 @@ class DocumentStore:
 
     async def close(self) -> None:
         """Stop the flush task, write what is dirty (best effort), close the documents; idempotent."""
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+        await self._flusher.stop()
         for sub in self._subscriptions.values():
             if sub.book.has_dirty():
                 try:
