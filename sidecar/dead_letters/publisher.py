@@ -20,7 +20,8 @@ Rules:
 - The event loop never blocks: ``PublisherClient.publish`` only queues, and its future is awaited
   through ``asyncio.wrap_future``.
 - Payloads never appear in logs; only ids, sizes and reasons do.
-- This module and ``sidecar.pipeline.ingest`` are the only ones that import Pub/Sub (STYLE).
+- This module and ``sidecar.pipeline.ingest_pull`` (the subscriber) are the only ones that import Pub/Sub
+  (STYLE).
 
 Pub/Sub caps an attribute value at 1024 bytes: ``sidecar_key`` and ``sidecar_reason`` are cut to fit
 (a key may be 2 KB of text). ``PublisherClient.publish`` takes attributes as keyword arguments, so an

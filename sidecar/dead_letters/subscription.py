@@ -1,6 +1,6 @@
 """Pub/Sub access of the dead-letter tooling (``pubsub-sidecar dead-letters``): read without acking, ack, release.
 
-This is the third module that imports google-cloud-pubsub, beside ``sidecar.pipeline.ingest`` (the
+This is the third module that imports google-cloud-pubsub, beside ``sidecar.pipeline.ingest_pull`` (the
 sidecar's subscriber) and ``sidecar.dead_letters.publisher`` (its publisher): the tool is a separate, synchronous
 command that pulls from a dead-letter subscription with the unary Pull RPC, which neither of those
 does, and keeping its calls here keeps ``sidecar.commands.dead_letters`` and ``sidecar.dead_letters.view``

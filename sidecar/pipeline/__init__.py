@@ -1,8 +1,15 @@
 """The data path of one subscription: Pub/Sub in, classified, stored or taken in order, handed to
 the runtime that releases each key's messages in order.
 
-- ``ingest`` (with ``ingest_scheduler``, ``ingest_watch`` and ``pull_health``): the StreamingPull,
-  the callbacks on the event loop, persist batches, and Pub/Sub acks only once durable.
+- ``ingest``: ``Ingestor``, one subscription's ingest, joining its parts and running the batch loop:
+  ``ingest_pull`` (the StreamingPull and its client, with ``ingest_scheduler``, the callbacks on the
+  event loop, ``ingest_watch`` and ``pull_health``, what the StreamingPull attempts say),
+  ``ingest_sort`` (the callback, classify, the fast path, deferred, held and to-store queues),
+  ``ingest_persist`` (persist batches and their outcomes), ``ingest_settlement`` (acks and nacks
+  with Pub/Sub, only once durable; dead letter, then ack), ``ingest_backpressure`` (no new batch
+  while the app is behind) and ``ingest_counters``. Of this package only ``ingest_pull``,
+  ``ingest_scheduler`` and ``ingest_watch`` import google-cloud-pubsub (the other ingest modules
+  name its message type for annotations only).
 - ``classify``: a received message's key, position and dedup id, or why it is malformed.
 - ``runtime`` (with ``shard_engines``): one subscription's live state; executes the pure engine's
   decisions with a store and a clock.

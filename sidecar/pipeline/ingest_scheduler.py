@@ -29,9 +29,9 @@ How the client's ``Scheduler`` contract (``subscribe(..., scheduler=...)``; read
   stopped but not closed keeps the wake-up queued; the messages stay in the buffer, and ``shutdown``
   returns them.
 
-Lives beside ``sidecar.pipeline.ingest``, which alone imports it: the Pub/Sub client library stays behind the
-ingest pair (with ``sidecar.dead_letters.publisher`` for publishing), and ``ingest.py``, over 800 lines already,
-keeps to the pipeline while this module keeps the threading rules of the hand-over to itself.
+Lives beside ``sidecar.pipeline.ingest_pull``, which alone imports it: the Pub/Sub client library stays behind
+the streaming pull (with ``sidecar.dead_letters`` for publishing and the dead-letter tooling), and this module keeps
+the threading rules of the hand-over to itself.
 """
 
 from __future__ import annotations

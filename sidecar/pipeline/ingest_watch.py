@@ -8,7 +8,8 @@ are made. The interceptor reports each StreamingPull call's start and its status
 ``grpc.Future`` done callback on the client's threads); it changes nothing in the calls, and every
 other method passes untouched. The client library itself is not modified.
 
-Lives beside ``sidecar.pipeline.ingest``, which alone imports it (the Pub/Sub client stays behind ingest).
+Lives beside ``sidecar.pipeline.ingest_pull``, which alone imports it (the Pub/Sub client stays behind the
+streaming pull).
 """
 
 from __future__ import annotations

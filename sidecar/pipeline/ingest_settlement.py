@@ -1,0 +1,210 @@
+"""Settlement: every message ingest received, until it is acked or nacked with Pub/Sub.
+
+``Settlement`` holds each received message by ack id (``receive``) until one of its ways out, and
+is the only place that acks or nacks a Pub/Sub message.
+
+Rules (G1 in DESIGN §1 depends on each of them):
+
+- **Ack only what is safe.** The callers ack a message only after the store said it is durable,
+  after its fast-path app ack is durable (``on_volatile_settled`` with ``safe``), or after the
+  dead-letter topic accepted it (``dead_letter_then_ack``). Nothing is ever dropped: a message not
+  acked is nacked or left to its lease, and Pub/Sub delivers it again.
+- **Once.** A message is settled once: ``ack`` and ``nack`` of a message no longer held do
+  nothing (a nack scheduled by ``nack_later`` and then overtaken by an ack, a fast-path message
+  given back at stop and settled by the runtime afterwards).
+- **Dead letters.** Published to the dead-letter topic, retried with backoff until the topic takes
+  them (the client keeps the lease meanwhile), and acked only then. A subscription without a
+  ``dead_letter_topic`` cannot do that: such a message is nacked after the maximum backoff, so it
+  stays in Pub/Sub (where the subscription's own dead-letter policy, if any, applies) and an error
+  is logged each time.
+- **Give back at stop with our own calls.** ``give_back`` nacks everything still held with its own
+  ModifyAckDeadline calls once the stream is closed: nacked on the open stream, Pub/Sub would send
+  them straight back to it, and after the stream closed the client's dispatcher would drop them.
+- Everything runs on the event loop. Payloads never appear in logs; ids, counts and reasons do.
+  The Pub/Sub client library is named here for annotations only (``sidecar.pipeline.ingest_pull``
+  imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from google.api_core import exceptions as api_exceptions
+
+from sidecar.dead_letters.publisher import DeadLetterPublisher
+from sidecar.engine.types import Message
+from sidecar.pipeline.ingest_counters import IngestCounters
+
+if TYPE_CHECKING:
+    from google.cloud.pubsub_v1 import SubscriberClient
+    from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
+
+_LOGGER = logging.getLogger(__name__)
+
+_MAX_IDS_PER_MODACK = 1000
+"""Pub/Sub accepts at most 1000 ack ids per ModifyAckDeadline call."""
+
+_GIVE_BACK_TIMEOUT_SECONDS = 10.0
+"""Timeout of each ModifyAckDeadline call of ``give_back``: the bound ``stop()`` gives the stream's
+own shutdown, so a Pub/Sub that does not answer delays a stop by as much again, no more."""
+
+
+class Settlement:
+    """The received messages of one subscription not yet acked or nacked, and their acks and nacks."""
+
+    def __init__(
+        self,
+        name: str,
+        counters: IngestCounters,
+        dead_letters: DeadLetterPublisher,
+        *,
+        backoff_seconds: Callable[[int], float],
+        backoff_maximum_seconds: float,
+    ) -> None:
+        self._name = name
+        self._counters = counters
+        self._dead_letters = dead_letters
+        self._backoff_seconds = backoff_seconds
+        self._backoff_maximum_seconds = backoff_maximum_seconds
+        self._unsettled: dict[str, PubsubMessage] = {}
+        """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
+        self._nack_timers: dict[str, asyncio.TimerHandle] = {}
+        self._fast: dict[int, PubsubMessage] = {}
+        """Fast-path messages (``runtime.take_fast``) by ``id`` of the engine's message: their Pub/Sub
+        ack waits for ``runtime.on_volatile_settled``."""
+
+    @property
+    def held(self) -> int:
+        """Messages received and not yet acked or nacked."""
+        return len(self._unsettled)
+
+    @property
+    def fast_path(self) -> int:
+        """Fast-path messages whose Pub/Sub ack waits for the runtime (``on_volatile_settled``)."""
+        return len(self._fast)
+
+    @property
+    def nack_scheduled(self) -> int:
+        """Messages with a nack scheduled (``nack_later``)."""
+        return len(self._nack_timers)
+
+    def receive(self, message: PubsubMessage) -> None:
+        """``message`` was handed to ingest: held until acked or nacked."""
+        self._unsettled[message.ack_id] = message
+
+    def await_volatile(self, taken: Message, message: PubsubMessage) -> None:
+        """``message`` took the fast path as ``taken``: its ack waits for ``on_volatile_settled``."""
+        self._fast[id(taken)] = message
+
+    def on_volatile_settled(self, message: Message, safe: bool) -> None:
+        """The runtime settled a fast-path message: safe (ack durable, or dead letter recorded): ack it;
+        given up (shard lost or dropped): nack it, so that Pub/Sub delivers it again."""
+        pubsub = self._fast.pop(id(message), None)
+        if pubsub is None or pubsub.ack_id not in self._unsettled:
+            return  # stop() gave it back already
+        if safe:
+            self.ack(pubsub)
+        else:
+            self.nack(pubsub)
+
+    def ack(self, message: PubsubMessage) -> None:
+        if self._unsettled.pop(message.ack_id, None) is None:
+            return
+        message.ack()
+        self._counters.acked += 1
+
+    def nack(self, message: PubsubMessage) -> None:
+        self._nack_timers.pop(message.ack_id, None)
+        if self._unsettled.pop(message.ack_id, None) is None:
+            return
+        message.nack()
+        self._counters.nacked += 1
+
+    def nack_later(self, message: PubsubMessage, delay_seconds: float) -> None:
+        """Keep ``message`` leased for ``delay_seconds``, then nack it (a backoff before redelivery)."""
+        loop = asyncio.get_running_loop()
+        self._nack_timers[message.ack_id] = loop.call_later(delay_seconds, self.nack, message)
+
+    def nack_all(self) -> int:
+        """Nack everything held at once (through the client); returns how many."""
+        self._cancel_timers()
+        messages = list(self._unsettled.values())
+        for message in messages:
+            self.nack(message)
+        return len(messages)
+
+    async def give_back(self, subscriber: SubscriberClient | None, subscription_path: str) -> None:
+        """Nack everything still held, with our own ModifyAckDeadline calls, once the stream is closed.
+
+        Not ``message.nack()``: after the stream closed the client's dispatcher is gone and would drop
+        them, and before it closed Pub/Sub would send them straight back to this stream.
+        """
+        self._cancel_timers()
+        ack_ids = list(self._unsettled)
+        self._unsettled.clear()
+        if not ack_ids or subscriber is None:
+            return
+        for start in range(0, len(ack_ids), _MAX_IDS_PER_MODACK):
+            chunk = ack_ids[start : start + _MAX_IDS_PER_MODACK]
+            try:
+                await asyncio.to_thread(
+                    subscriber.modify_ack_deadline,
+                    subscription=subscription_path,
+                    ack_ids=chunk,
+                    ack_deadline_seconds=0,
+                    timeout=_GIVE_BACK_TIMEOUT_SECONDS,
+                )
+            except api_exceptions.GoogleAPICallError as exc:
+                # No loss: their leases run out and Pub/Sub redelivers them a little later.
+                _LOGGER.warning("ingest of %s: giving back %d messages failed: %s", self._name, len(chunk), exc)
+                continue
+            self._counters.nacked += len(chunk)
+        _LOGGER.info("ingest of %s: %d unpersisted messages given back to Pub/Sub", self._name, len(ack_ids))
+
+    async def dead_letter_then_ack(self, message: PubsubMessage, reason: str, *, key: str) -> None:
+        """Publish to the dead-letter topic until it takes the message, then ack (never before)."""
+        if self._dead_letters.topic_for(self._name) is None:
+            _LOGGER.error(
+                "ingest of %s: message %s needs dead-lettering (%s) but the subscription has no "
+                "dead_letter_topic; leaving it in Pub/Sub",
+                self._name,
+                message.message_id,
+                reason,
+            )
+            self._counters.dead_letter_failures += 1
+            self.nack_later(message, self._backoff_maximum_seconds)
+            return
+        attempt = 0
+        while True:
+            try:
+                await self._dead_letters.publish_raw(
+                    self._name,
+                    data=message.data,
+                    attributes=dict(message.attributes),
+                    reason=reason,
+                    message_id=message.message_id,
+                    key=key,
+                    ordering_key=message.ordering_key,
+                )
+                break
+            except Exception as exc:
+                self._counters.dead_letter_failures += 1
+                _LOGGER.warning(
+                    "ingest of %s: dead-letter publish of %s failed (attempt %d): %s; retrying",
+                    self._name,
+                    message.message_id,
+                    attempt + 1,
+                    exc,
+                )
+            await asyncio.sleep(self._backoff_seconds(attempt))
+            attempt += 1
+        self._counters.dead_lettered += 1
+        self.ack(message)
+
+    def _cancel_timers(self) -> None:
+        for handle in self._nack_timers.values():
+            handle.cancel()
+        self._nack_timers.clear()
