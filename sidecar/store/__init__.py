@@ -14,12 +14,16 @@ One job per module (read them in this order):
 - ``flusher``: the background flush of the cursors and checkpoints left lagging.
 - ``shard_reads``: what a load reads of its shards, handed to ``recovery``.
 - ``firestore``: the seam on Firestore; the only module that imports google-cloud-firestore.
+- ``firestore_codec``, ``firestore_errors``, ``listen_protocol``: what the seam on Firestore hands
+  out (raw protobufs and back, Google's errors as ours, the Listen protocol as deltas); none
+  imports google-cloud-firestore.
 - ``memory_documents``: the seam in memory, with Firestore's semantics (crash simulation, tests).
 - ``memory``: a simpler in-memory ``Store`` for delivery tests and benchmarks. Not durable.
 - ``timed``: a ``Store`` wrapper that times ``persist`` for the metrics.
 
-This package imports no Google library itself: ``sidecar.store.firestore`` is imported by name
-where Firestore is wanted.
+Importing this package imports no Google library: ``sidecar.store.firestore`` (and through it
+``firestore_errors``, the only other module that imports a Google library: api_core, auth, grpc)
+is imported by name where Firestore is wanted.
 """
 
 from sidecar.store.api import (
