@@ -40,11 +40,11 @@ MIN_CONSUMING_PODS_DURING_A_DRAIN = 2
 APP_EXIT_SECONDS = 10
 """The app's own shutdown: the kubelet signals the sidecar only once the app has exited."""
 INGEST_STOP_SECONDS = 5
-"""Stopping ingest: persists in progress finish (``sidecar.wiring.app`` bounds this step at 5 s)."""
+"""Stopping ingest: persists in progress finish (``sidecar.wiring.shutdown`` bounds this step at 5 s)."""
 HANDOVER_SECONDS = 2
 """Writing the hand-over of every owned lease (one conditional write each, all at once): the < 2 s target."""
 ACK_COMMIT_SECONDS = 5
-"""Committing the acks queued by the drain (``sidecar.wiring.app`` bounds this step at 5 s)."""
+"""Committing the acks queued by the drain (``sidecar.wiring.shutdown`` bounds this step at 5 s)."""
 CLIENT_CLOSE_SECONDS = 5
 """Closing the Pub/Sub, Firestore and Monitoring clients at the end (normally milliseconds)."""
 

@@ -1,0 +1,137 @@
+"""What the running subscriptions report to ``sidecar.ops``: metric snapshots, latencies, readiness, liveness.
+
+``sidecar.ops`` knows nothing of the sidecar's layers; this glue reads the subscriptions' parts and
+hands it plain values. Rules:
+
+- Counters and gauges are read at scrape time (``metrics_snapshot``), from the same engine status
+  that GetStatus answers with, so a scrape always agrees with it. A subscription still recovering
+  (or stopping) has no engine numbers yet and is left out of the scrape rather than failing it.
+- Only the two latency histograms are observed as events happen (``LatencyObserver``): a persist
+  batch's duration, and publish-to-delivery for first attempts only.
+- Readiness: Firestore and each subscription's Pub/Sub answer, and each subscription's StreamingPull
+  works (``PullHealth``): the client retries most StreamingPull errors without a word, so a
+  GetSubscription that answers says nothing about them.
+- Liveness names the first subscription whose recovery stopped making progress, if any.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from sidecar.engine.types import Deliver
+from sidecar.ops.observability import Metrics, NotReady, ReadinessCheck, SubscriptionMetrics
+from sidecar.pipeline.ingest import Ingestor
+from sidecar.pipeline.runtime_loading import RECOVERY_STALL_SECONDS
+from sidecar.wiring.subscription import SubscriptionParts
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyObserver:
+    """Observes the latency histograms of ``Metrics`` as events happen."""
+
+    metrics: Metrics
+
+    def persisted(self, subscription: str, seconds: float) -> None:
+        self.metrics.persist_latency.labels(subscription).observe(seconds)
+
+    def delivered(self, subscription: str, deliveries: Sequence[Deliver], now_ms: int) -> None:
+        histogram = self.metrics.publish_to_delivery.labels(subscription)
+        for delivery in deliveries:
+            payload = delivery.message.payload
+            if delivery.attempt == 1 and payload is not None:
+                histogram.observe(max(0, now_ms - payload.publish_time_ms) / 1000)
+
+
+def readiness_checks(
+    ping_store: ReadinessCheck, subs: Mapping[str, SubscriptionParts]
+) -> dict[str, Callable[[], Awaitable[None]]]:
+    """Firestore, then each subscription's Pub/Sub and StreamingPull, by the name /readyz shows."""
+    checks: dict[str, Callable[[], Awaitable[None]]] = {"firestore": ping_store}
+    checks.update({f"pubsub:{name}": _pubsub_check(s.ingestor) for name, s in subs.items()})
+    checks.update({f"streaming_pull:{name}": _pull_check(s.ingestor) for name, s in subs.items()})
+    return checks
+
+
+def _pubsub_check(ingestor: Ingestor) -> Callable[[], Awaitable[None]]:
+    async def check() -> None:
+        if not await ingestor.ping():
+            raise ConnectionError(f"Pub/Sub does not answer for {ingestor.subscription_path}")
+
+    return check
+
+
+def _pull_check(ingestor: Ingestor) -> Callable[[], Awaitable[None]]:
+    """Ready only while Pub/Sub delivers to this pod: the client retries most StreamingPull errors
+    without a word, so a GetSubscription that answers says nothing about them (``PullHealth``)."""
+
+    async def check() -> None:
+        problem = ingestor.pull_health.problem()
+        if problem is not None:
+            raise NotReady(problem)
+
+    return check
+
+
+def stuck(subs: Mapping[str, SubscriptionParts]) -> str | None:
+    """Liveness: which subscription's recovery stopped making progress, if any."""
+    for name, s in subs.items():
+        if not s.runtime.is_live():
+            return (
+                f"subscription {name!r}: recovery made no progress for {RECOVERY_STALL_SECONDS:.0f}s "
+                f"({s.runtime.recovered_documents} documents read)"
+            )
+    return None
+
+
+def metrics_snapshot(subs: Iterable[SubscriptionParts]) -> list[SubscriptionMetrics]:
+    """Each ready subscription's counters and gauges, now (``SidecarCollector`` calls it at scrape time)."""
+    now_ms = time.time_ns() // 1_000_000
+    snapshots = []
+    for s in subs:
+        if not s.runtime.is_ready and s.runtime.failure is None:
+            continue  # still recovering (or stopping): no engine numbers yet
+        try:
+            status, _ = s.runtime.status(max_keys=0)
+        except Exception:  # the engine is gone (stopping): skip rather than fail the scrape
+            continue
+        counts = status.counts
+        dead = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_lettered:")}
+        oldest = status.oldest_undelivered_ms
+        lag = None
+        if s.watermark is not None and s.watermark.watermark_ms is not None:
+            lag = max(0.0, (now_ms - s.watermark.watermark_ms) / 1000)
+        ingest = s.ingestor.counters
+        extra = s.runtime.extra_counts()
+        snapshots.append(
+            SubscriptionMetrics(
+                subscription=s.config.name,
+                received=ingest.received,
+                malformed=ingest.malformed,
+                duplicates=ingest.duplicates + counts.get("duplicates", 0) + s.runtime.counters.fast_path_duplicates,
+                delivered=counts.get("delivered", 0),
+                acked=counts.get("acked", 0),
+                nacked=counts.get("nacked", 0) + counts.get("expired", 0),
+                late=counts.get("late", 0),
+                dead_lettered=dead,
+                buffered=status.buffered,
+                in_flight=status.in_flight,
+                keys_blocked=status.keys_blocked,
+                keys_blocked_dead_letter=status.keys_blocked_dead_letter,
+                stored=ingest.persisted,
+                fast_path=s.runtime.counters.fast_path,
+                oldest_undelivered_age_seconds=0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000),
+                watermark_lag_seconds=lag,
+                shards_owned=len(s.runtime.shards()) if s.runtime.sharded else None,
+                lease_renewals=extra.get("lease_renewals", 0),
+                lease_renewal_failures=extra.get("lease_renewal_failures", 0),
+                shards_adopted=extra.get("shards_adopted", 0),
+                shards_dropped=extra.get("shards_dropped", 0),
+                lease_blocked_shards=extra.get("lease_blocked", 0),
+                streaming_pull_failing=s.ingestor.pull_health.is_failing(),
+                streaming_pull_errors=dict(s.ingestor.pull_health.errors),
+                ingest_stages=s.ingestor.stages(),
+            )
+        )
+    return snapshots
