@@ -1,8 +1,8 @@
 """Ingest's cumulative counters, one ``IngestCounters`` per ``Ingestor`` (``Ingestor.counters``).
 
-Rules: plain attributes, written only on the event loop by the ingest modules (``ingest``,
-``ingest_sort``, ``ingest_persist``, ``ingest_settlement``), each counter by the module that does
-what it counts; only ever incremented; read as they are by the metrics at scrape time
+Rules: plain attributes, written only on the event loop by the ingest modules (``ingest_sort``,
+``ingest_persist``, ``ingest_settlement``, ``ingest_backpressure``), each counter by the module that
+does what it counts; only ever incremented; read as they are by the metrics at scrape time
 (``sidecar.ops.observability``) and by GetStatus. A leaf: it imports nothing of the pipeline.
 """
 
