@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "store"))
 
-from crash_sim import SimConfig, Simulation
+from crash_sim import Simulation
+from sim_world import SimConfig
 
 
 def draw(seed: int, steps: int) -> tuple[SimConfig, list[tuple[str, int]]]:

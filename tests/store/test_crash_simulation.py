@@ -11,9 +11,10 @@ import dataclasses
 import os
 
 import pytest
-from crash_sim import SUB, Crash, Published, SimConfig, Simulation
+from crash_sim import Simulation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sim_world import SUB, Crash, Published, SimConfig
 
 from sidecar.engine.types import Message
 
