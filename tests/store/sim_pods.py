@@ -58,6 +58,8 @@ _T = TypeVar("_T")
 
 @dataclass
 class SimulatedPods:
+    """The simulation's state, and each pod's process over the shared documents (module docstring)."""
+
     config: SimConfig
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     now_ms: int = 1_000_000

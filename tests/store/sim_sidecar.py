@@ -34,6 +34,8 @@ from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED, Persi
 
 @dataclass
 class SimulatedSidecar(SimulatedPods):
+    """The pods plus the sidecar's data path, one operation or call at a time (module docstring)."""
+
     def op_ingest(self, arg: int) -> None:
         """Pub/Sub delivers up to 3 outstanding copies (one persist call), any of them."""
         if not self.pubsub:
