@@ -1,8 +1,11 @@
 """Every ``pubsub-sidecar`` subcommand: the argument parser (``main``) and one module per command.
 
-``run`` starts the sidecar (``sidecar.wiring.app``); ``status`` and ``unblock`` talk to a running
-sidecar over gRPC; ``dead-letters`` reads and replays the waiting room in Pub/Sub; ``demo`` runs the
-emulators, the sidecar, a publisher and an app in one process.
+``run`` starts the sidecar (``sidecar.wiring.app``) and ends with its exit code (``exit_codes``:
+the same codes for every command); ``status`` and ``unblock`` talk to a running sidecar over gRPC;
+``dead-letters`` reads and replays the waiting room in Pub/Sub; ``demo`` runs the emulators, the
+sidecar, a publisher and an app in one process.
 
-The top of the import order: may import any layer. Nothing imports it but ``sidecar.__main__``.
+The top of the import order: may import ``sidecar.wiring``, ``sidecar.delivery``,
+``sidecar.dead_letters``, ``sidecar.config``, ``sidecar.ops``, ``sidecar.emulators`` and
+``sidecar.engine``. Nothing imports it but ``sidecar.__main__``.
 """

@@ -30,6 +30,7 @@ import sys
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TextIO
 
+from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from sidecar.config.durations import parse_duration_ms
 from sidecar.dead_letters.replay import ReplayUsageError, plan, replay_letters
 from sidecar.dead_letters.view import (
@@ -45,10 +46,6 @@ from sidecar.ops.logs import setup_logging
 
 if TYPE_CHECKING:
     from sidecar.dead_letters.subscription import DeadLetterSubscription
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 DEFAULT_MAX_MESSAGES = 10_000
 """Messages one scan leases at most: every message is held in memory while the command runs."""

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pubsub_sidecar_client import OrderedSubscriber
 from sidecar.commands.demo_pubsub import DemoPubSub
+from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from sidecar.config.model import load_config
 from sidecar.emulators.stack import EmulatorStack
 from sidecar.ops.logs import setup_logging
@@ -227,7 +228,7 @@ async def _run(stack: EmulatorStack, pubsub: DemoPubSub, orders: int, rng: rando
     print(f"  out of order:         {consumer.out_of_order}")
     ok = consumer.delivered == total and consumer.out_of_order == 0 and sidecar.failure is None
     print("  result:               " + ("OK" if ok else "FAILED"))
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 async def _consume(sub: OrderedSubscriber, consumer: Consumer, display: Display) -> None:
@@ -258,6 +259,6 @@ def _free_port() -> int:
 def run_command(args: argparse.Namespace) -> int:
     if args.orders < 1:
         print("pubsub-sidecar demo: --orders must be at least 1", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     setup_logging(args.log_format, "WARNING")
     return asyncio.run(run_demo(args.orders))

@@ -1,6 +1,7 @@
 """The demo's publisher side: topics, a subscription and publishing, with the official client.
 
-Kept apart from the sidecar's own Pub/Sub modules (``ingest``, ``deadletter``) because it plays the
+Kept apart from the sidecar's own Pub/Sub modules (``sidecar.pipeline.ingest_pull``,
+``sidecar.dead_letters.publisher``) because it plays the
 role of the *publisher* and of the operator who creates the subscription, not of the sidecar.
 """
 

@@ -15,14 +15,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from sidecar.commands.exit_codes import EXIT_USAGE
 from sidecar.config.credentials import GoogleAccessMissing
-
-EXIT_USAGE = 2
-"""Exit code for a command line or config file the user must fix (argparse uses it too)."""
 
 # subcommand -> "module:function"; the function takes the parsed namespace and returns an exit code.
 _COMMANDS: dict[str, str] = {
-    "run": "sidecar.wiring.app:run_command",
+    "run": "sidecar.commands.run:run_command",
     "emulators": "sidecar.emulators.main:run_command",
     "demo": "sidecar.commands.demo:run_command",
     "status": "sidecar.commands.status:run_command",

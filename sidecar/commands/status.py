@@ -28,9 +28,7 @@ import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from pubsub_sidecar_client import get_status
-
-EXIT_FAILED = 1
-"""The sidecar could not be asked, or refused to answer."""
+from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK
 
 DEFAULT_MAX_KEYS = 50
 """Per-key detail asked for: the longest-waiting keys come first, and 50 rows still fit a screen's scroll."""
@@ -282,7 +280,7 @@ async def fetch_and_render(
         return EXIT_FAILED
     now = datetime.now(UTC)
     out.write(format_json(response, now, target) if as_json else format_table(response, now, target))
-    return 0
+    return EXIT_OK
 
 
 def run_command(args: argparse.Namespace) -> int:

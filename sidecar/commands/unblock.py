@@ -19,10 +19,7 @@ from datetime import UTC
 import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 _USAGE_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND})
 

@@ -22,13 +22,14 @@ up to ``sharding.drain_timeout`` for the app's acks) and hand every lease over a
 app streams (what is left is given back: it is pending in Firestore and the shards' next owners
 deliver it) -> stop runtimes (queued acks commit) -> close clients. Every step runs even if an earlier
 one failed. A component that fails for good stops the process the same way with exit code 1, so
-that Kubernetes restarts it; an invalid config file exits 2 with one line on stderr, and so does
-no way to reach Pub/Sub or Firestore (no emulator variable, no credentials: ``sidecar.config.credentials``).
+that Kubernetes restarts it (``serve_until_stopped`` returns the sidecar, its ``failure`` set; the
+``run`` command, ``sidecar.commands.run``, turns that into the exit code). An invalid config file
+exits 2 with one line on stderr, and so does no way to reach Pub/Sub or Firestore (no emulator
+variable, no credentials: ``sidecar.config.credentials``): the ``run`` command checks both first.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -40,13 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.cluster.leases.manager import ShardLeases
-from sidecar.config import credentials
-from sidecar.config.credentials import require_google_access
-from sidecar.config.model import ConfigError, SidecarConfig, config_error_exit, load_config
+from sidecar.config.model import SidecarConfig
 from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.delivery.server import GrpcServer
 from sidecar.ops.listening import ListenError, ensure_tcp_port_free
-from sidecar.ops.logs import setup_logging
 from sidecar.ops.observability import HttpEndpoint, Metrics, Readiness
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable, first_cause
 from sidecar.store import documents as docs
@@ -58,11 +56,6 @@ from sidecar.wiring.shutdown import close_quietly, collect, shutdown
 from sidecar.wiring.subscription import SubscriptionParts, assemble_subscription, pod_identity
 
 _LOGGER = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-"""A command line the user must fix (the same code as a bad config file)."""
 
 
 @dataclass
@@ -310,7 +303,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def _main(config: SidecarConfig, grace_seconds: float) -> int:
+async def serve_until_stopped(config: SidecarConfig, grace_seconds: float) -> Sidecar:
+    """Run one sidecar until SIGTERM/SIGINT or a component failure; its ``failure`` says why it stopped."""
     sidecar = Sidecar(config, grace_seconds=grace_seconds)
     loop = asyncio.get_running_loop()
     # The one place that installs signal handlers for this process (STYLE: two servers each
@@ -318,26 +312,4 @@ async def _main(config: SidecarConfig, grace_seconds: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, sidecar.request_stop)
     await sidecar.serve()
-    if isinstance(sidecar.failure, ListenError):
-        return EXIT_USAGE
-    return EXIT_FAILURE if sidecar.failure is not None else EXIT_OK
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``pubsub-sidecar run --config FILE``."""
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        return config_error_exit(exc)
-    if not args.grace_period > 0:
-        print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
-        return EXIT_USAGE
-    watermark = any(sub.ordering.mode == "watermark" for sub in config.subscriptions)
-    # GoogleAccessMissing: one line and exit 2 (sidecar.commands.main), before any client or log line.
-    require_google_access([credentials.PUBSUB, credentials.FIRESTORE, *([credentials.MONITORING] * watermark)])
-    try:
-        setup_logging(args.log_format, args.log_level)
-    except ValueError as exc:
-        print(f"pubsub-sidecar: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    return asyncio.run(_main(config, args.grace_period))
+    return sidecar

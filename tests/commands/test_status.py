@@ -16,7 +16,8 @@ from incoming_messages import sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.commands import main as cli
-from sidecar.commands.status import EXIT_FAILED, fetch_and_render, format_age, format_json, format_table, status_to_dict
+from sidecar.commands.exit_codes import EXIT_FAILED
+from sidecar.commands.status import fetch_and_render, format_age, format_json, format_table, status_to_dict
 from sidecar.delivery.server import GrpcServer
 from sidecar.engine.types import EngineConfig, Message
 from sidecar.pipeline.runtime import SubscriptionRuntime, wall_clock_ms
@@ -226,7 +227,6 @@ class _DiscardDeadLetters:
 
     async def publish(self, subscription: str, message: Message, reason: str, attempts: int) -> None:
         self.published += 1
-
 
 
 @pytest.fixture

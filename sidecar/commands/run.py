@@ -1,0 +1,49 @@
+"""`pubsub-sidecar run --config FILE`: check what the user gave, then run the sidecar until it stops.
+
+Rules:
+
+- Everything the user must fix is refused before any client is made or any log line written, with
+  one line on stderr and exit code 2: an invalid config file (``sidecar.config.model``), a
+  ``--grace-period`` that is not positive, no way to reach Pub/Sub, Firestore or (in watermark mode)
+  Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``), a bad log setting.
+- The sidecar itself (``sidecar.wiring.app``) runs until SIGTERM/SIGINT or a component failure; its
+  ``failure`` is the exit code: none 0; an address in use (``ListenError``, one line already
+  printed, nothing else ran) 2; any other 1, so that Kubernetes restarts the container.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from sidecar.config import credentials
+from sidecar.config.credentials import require_google_access
+from sidecar.config.model import ConfigError, config_error_exit, load_config
+from sidecar.ops.listening import ListenError
+from sidecar.ops.logs import setup_logging
+from sidecar.wiring.app import serve_until_stopped
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``pubsub-sidecar run --config FILE``."""
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return config_error_exit(exc)
+    if not args.grace_period > 0:
+        print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
+        return EXIT_USAGE
+    watermark = any(sub.ordering.mode == "watermark" for sub in config.subscriptions)
+    # GoogleAccessMissing: one line and exit 2 (sidecar.commands.main), before any client or log line.
+    require_google_access([credentials.PUBSUB, credentials.FIRESTORE, *([credentials.MONITORING] * watermark)])
+    try:
+        setup_logging(args.log_format, args.log_level)
+    except ValueError as exc:
+        print(f"pubsub-sidecar: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    sidecar = asyncio.run(serve_until_stopped(config, args.grace_period))
+    if isinstance(sidecar.failure, ListenError):
+        return EXIT_USAGE
+    return EXIT_FAILED if sidecar.failure is not None else EXIT_OK
