@@ -1,7 +1,9 @@
 """Shard leases: which pod delivers which shard of a subscription (several pods on one subscription).
 
 ``layout`` reads and writes the lease documents, ``planner`` decides each round's writes (pure),
-``manager.ShardLeases`` runs the rounds for one subscription over ``sidecar.store.documents``.
+``manager.ShardLeases`` runs the rounds for one subscription over ``sidecar.store.documents``, and
+``holdings`` keeps the shards this pod holds (their safety margins, the timer that drops them, the
+``on_gained``/``on_lost`` callbacks).
 """
 
 from sidecar.cluster.leases.layout import LEASE_LAYOUT_VERSION, LeaseLayoutError

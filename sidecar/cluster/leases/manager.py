@@ -15,9 +15,10 @@ Safety, and which clock serves what:
   t, the shard counts as held until ``t + 0.8 * lease_ms``. The write's update time is later than
   t, and another pod can take the lease only from a read of that version at least ``lease_ms`` of
   database time after it, so the margin ends first (clock rates may differ by up to 20 %).
-  ``holds()`` compares with the clock on every call, and a timer drops a shard the moment its
-  margin passes (``on_lost``), not only at the next round: a pod that wakes from a pause never
-  delivers on a margin that ran out while it slept.
+  ``sidecar.cluster.leases.holdings`` keeps the held shards and their margins: ``holds()`` compares
+  with the clock on every call, and a timer drops a shard the moment its margin passes
+  (``on_lost``), not only at the next round: a pod that wakes from a pause never delivers on a
+  margin that ran out while it slept.
 - Every write names the version it was planned from, so a paused pod that wakes and writes from
   an old read changes nothing. The lease document is also the fence of every advancing write
   (``fence()``), which Firestore checks in the store's transactions: that, not the margin, is what
@@ -35,7 +36,8 @@ before the shard counts as held; ``on_lost(shard, epoch)`` is called exactly onc
 ``on_gained`` started, when the shard is lost (another owner or epoch seen, the margin passed, the
 store refused a fenced write) or given up (after ``before_release`` and before the hand-over is
 written), and only after ``on_gained`` returned or was cancelled. An exception from ``on_gained``
-ends ``run()`` with it.
+ends ``run()`` with it. ``Holdings`` keeps these rules; this module decides when a shard is taken,
+renewed, lost or given up.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from dataclasses import dataclass, fields
 
 from sidecar.backoff import backoff_seconds
 from sidecar.cluster.leases import planner
+from sidecar.cluster.leases.holdings import Holding, Holdings
 from sidecar.cluster.leases.layout import LeaseView, lease_fields, lease_path, read_lease, shard_count_refusal
 from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
 from sidecar.shards import MAX_SHARDS
@@ -116,15 +119,6 @@ class LeaseStats:
         return {f"lease_{field.name}": getattr(self, field.name) for field in fields(self)}
 
 
-@dataclass(slots=True)
-class _Holding:
-    epoch: int
-    deadline_ms: int
-    """On this pod's monotonic clock: the end of the safety margin of the last successful write."""
-    gaining: asyncio.Task[None] | None
-    ready: bool = False
-
-
 class ShardLeases:
     """Takes, renews, balances and gives up one subscription's shard leases for this pod."""
 
@@ -161,24 +155,27 @@ class ShardLeases:
         self._period_ms = lease_ms // ROUNDS_PER_LEASE
         self._margin_ms = int(lease_ms * SAFETY_FACTOR)
         self._monotonic_ms = monotonic_ms
-        self._on_gained = on_gained
-        self._on_lost = on_lost
         self._before_release = before_release
-        self._held: dict[int, _Holding] = {}
+        self.stats = LeaseStats()
+        self._holdings = Holdings(
+            self._subscription,
+            monotonic_ms=monotonic_ms,
+            on_gained=on_gained,
+            on_lost=on_lost,
+            poke=self.poke,
+            stats=self.stats,
+        )
         self._mode = Mode.RUN
         self._left = False
         self._lock = asyncio.Lock()
         self._poked = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None
-        self._failure: BaseException | None = None
         self._random = random.Random()
-        self._first_round: dict[int, _Holding] | None = None
+        self._first_round: dict[int, Holding] | None = None
         """The shards held after the first completed round (``settled`` waits for their loads)."""
         self._soon = 0
         """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
         self._blocked: dict[int, str] = {}
         """Shard -> the problem of its lease document, as the last read saw it."""
-        self.stats = LeaseStats()
 
     # ---- API for the runtime -------------------------------------------------------------------
 
@@ -218,16 +215,16 @@ class ShardLeases:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
         while not self._first_round_loaded():
-            if (deadline is not None and loop.time() >= deadline) or self._failure is not None:
+            if (deadline is not None and loop.time() >= deadline) or self._holdings.failure is not None:
                 return False
             await asyncio.sleep(_SETTLED_POLL_SECONDS)
-        return self._failure is None
+        return self._holdings.failure is None
 
     def _first_round_loaded(self) -> bool:
         if self._first_round is None:
             return False
         for shard, holding in self._first_round.items():
-            if self._held.get(shard) is holding and not holding.ready:
+            if self._holdings.get(shard) is holding and not holding.ready:
                 return False  # still loading (a shard lost or re-taken since is not waited for)
         return True
 
@@ -237,15 +234,11 @@ class ShardLeases:
 
     def holds(self, shard: int) -> int | None:
         """The epoch of ``shard`` if this pod holds it, loaded, within its safety margin now."""
-        holding = self._held.get(shard)
-        if holding is None or not holding.ready or self._monotonic_ms() >= holding.deadline_ms:
-            return None
-        return holding.epoch
+        return self._holdings.holds(shard)
 
     def owned(self) -> dict[int, int]:
         """Shard -> epoch of every shard ``holds`` answers for now."""
-        now = self._monotonic_ms()
-        return {s: h.epoch for s, h in sorted(self._held.items()) if h.ready and now < h.deadline_ms}
+        return self._holdings.owned()
 
     def blocked(self) -> dict[int, str]:
         """Shard -> why its lease document is left alone (one line naming it), as the last round saw it."""
@@ -260,9 +253,9 @@ class ShardLeases:
 
     def shard_lost(self, shard: int, epoch: int) -> None:
         """The store refused a write fenced with ``epoch``: the lease moved on. Drop it, look now."""
-        holding = self._held.get(shard)
+        holding = self._holdings.get(shard)
         if holding is not None and holding.epoch == epoch:
-            self._drop(shard)
+            self._holdings.drop(shard)
         self.poke()
 
     async def release_all(self, drain: Callable[[set[int]], Awaitable[None]]) -> None:
@@ -271,9 +264,9 @@ class ShardLeases:
         if self._left:
             return
         self._mode = Mode.DRAIN
-        for shard, holding in list(self._held.items()):
+        for shard, holding in self._holdings.items():
             if not holding.ready:
-                self._drop(shard, counted=False)  # still loading: nothing of it in flight, give it up as it is
+                self._holdings.drop(shard, counted=False)  # still loading: nothing of it in flight, give it up as it is
         self.poke()
         try:
             await drain(set(self.owned()))
@@ -288,8 +281,8 @@ class ShardLeases:
                         break
                     await asyncio.sleep(self._period_ms * _CONFLICT_DELAY_SHARE / 1000)
             finally:
-                for shard in list(self._held):
-                    self._drop(shard, counted=False)
+                for shard in self._holdings.shards():
+                    self._holdings.drop(shard, counted=False)
                 self._left = True
                 self.poke()
 
@@ -310,19 +303,19 @@ class ShardLeases:
                 views = await self._read()
                 if views is None:
                     return True
-                plan = planner.plan(views, self.pod_id, self._current_epochs(), self.lease_ms, mode)
+                plan = planner.plan(views, self.pod_id, self._holdings.epochs(), self.lease_ms, mode)
                 self.stats.pods = plan.pods
                 for shard in plan.lost:
-                    self._drop(shard)
+                    self._holdings.drop(shard)
                 conflict |= await self._send([w for w in plan.writes if w.action not in GIVING_UP])
                 giving = [w for w in plan.writes if w.action in GIVING_UP]
                 if giving:
-                    await self._before_giving_up({w.shard for w in giving if w.shard in self._held})
+                    await self._before_giving_up({w.shard for w in giving if w.shard in self._holdings})
                     conflict |= await self._send(giving)
                 if not any(w.action is Action.CREATE for w in plan.writes):
                     break
             if self._first_round is None:
-                self._first_round = dict(self._held)
+                self._first_round = self._holdings.snapshot()
             return conflict
 
     async def _leave_round(self) -> bool:
@@ -330,21 +323,21 @@ class ShardLeases:
         views = await self._read()
         if views is None:
             return False
-        plan = planner.plan(views, self.pod_id, self._current_epochs(), self.lease_ms, Mode.LEAVE)
-        for shard in list(self._held):
-            self._drop(shard, counted=shard in plan.lost)
+        plan = planner.plan(views, self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE)
+        for shard in self._holdings.shards():
+            self._holdings.drop(shard, counted=shard in plan.lost)
         return not await self._send(list(plan.writes)) and not plan.lost
 
     async def _read(self) -> list[LeaseView] | None:
         self.stats.rounds += 1
-        self._expire_due()
+        self._holdings.expire_due()
         try:
             read_us, versions = await self._documents.get_versioned(self._paths)
         except StoreUnavailable as exc:
             self.stats.read_failures += 1
             _LOGGER.warning("subscription %s: lease read failed, retrying next round: %s", self._subscription, exc)
             return None
-        self._expire_due()
+        self._holdings.expire_due()
         missing = docs.Versioned(None, None)
         views = [
             read_lease(path, shard, self._shard_count, read_us, versions.get(path, missing))
@@ -379,13 +372,10 @@ class ShardLeases:
                 del self._blocked[view.shard]
         self.stats.blocked = len(self._blocked)
 
-    def _current_epochs(self) -> dict[int, int]:
-        return {shard: holding.epoch for shard, holding in self._held.items()}
-
     async def _before_giving_up(self, shards: set[int]) -> None:
         """Let the runtime stop delivering and drain (bounded), then stop holding: the hand-over
         must not be written while this pod still counts the shard as its own."""
-        ready = [shard for shard in sorted(shards) if self._held[shard].ready]
+        ready = [shard for shard in sorted(shards) if self._holdings.ready(shard)]
         if ready:
             waits = asyncio.gather(*(self._before_release(shard) for shard in ready))
             try:
@@ -398,8 +388,8 @@ class ShardLeases:
                     int(self.lease_ms * _RELEASE_WAIT_SHARE),
                 )
         for shard in shards:
-            if shard in self._held:
-                self._drop(shard, counted=False)
+            if shard in self._holdings:
+                self._holdings.drop(shard, counted=False)
 
     async def _send(self, writes: Sequence[LeaseWrite]) -> bool:
         """Write ``writes`` (one BatchWrite); True when one lost a race (another pod wrote first)."""
@@ -443,23 +433,19 @@ class ShardLeases:
                 code,
                 message,
             )
-        self._arm_timer()
+        self._holdings.arm_timer()
         return conflict
 
     def _applied(self, write: LeaseWrite, sent_ms: int) -> None:
         deadline_ms = sent_ms + self._margin_ms
         if write.action is Action.RENEW:
-            holding = self._held.get(write.shard)
-            if holding is not None and holding.epoch == write.epoch:
-                holding.deadline_ms = deadline_ms
+            if self._holdings.renew(write.shard, write.epoch, deadline_ms):
                 self.stats.renewals += 1
         elif write.action is Action.ACQUIRE:
-            if self._mode is not Mode.RUN or write.shard in self._held:
+            if self._mode is not Mode.RUN or write.shard in self._holdings:
                 return  # draining began meanwhile: the stray is released by the next round
             self.stats.takes += 1
-            holding = _Holding(write.epoch, deadline_ms, None)
-            self._held[write.shard] = holding
-            holding.gaining = asyncio.ensure_future(self._gain(write.shard, holding))
+            self._holdings.take(write.shard, write.epoch, deadline_ms)
         elif write.action is Action.CREATE:
             self.stats.creates += 1
         elif write.action is Action.ASK:
@@ -469,62 +455,6 @@ class ShardLeases:
         elif write.action is Action.RELEASE:
             self.stats.releases += 1
 
-    async def _gain(self, shard: int, holding: _Holding) -> None:
-        try:
-            await self._on_gained(shard, holding.epoch)
-        except asyncio.CancelledError:
-            raise  # dropped meanwhile: the done callback ``_drop`` added calls on_lost
-        except Exception as exc:
-            holding.gaining = None
-            _LOGGER.error("subscription %s: loading shard %d failed: %r", self._subscription, shard, exc)
-            if self._failure is None:
-                self._failure = exc
-            self._drop(shard)
-            self.poke()
-            return
-        holding.gaining = None
-        if self._held.get(shard) is holding:
-            holding.ready = True
-
-    # ---- losing shards -----------------------------------------------------------------------
-
-    def _drop(self, shard: int, *, counted: bool = True) -> None:
-        """Stop holding ``shard`` now; ``on_lost`` once its ``on_gained`` is over."""
-        holding = self._held.pop(shard, None)
-        if holding is None:
-            return
-        if counted:
-            self.stats.lost += 1
-            _LOGGER.info("subscription %s: lost shard %d (epoch %d)", self._subscription, shard, holding.epoch)
-        gaining = holding.gaining
-        if gaining is not None and not gaining.done():
-            gaining.cancel()
-            gaining.add_done_callback(lambda _: self._on_lost(shard, holding.epoch))
-        else:
-            self._on_lost(shard, holding.epoch)
-        self._arm_timer()
-
-    def _expire_due(self) -> None:
-        now = self._monotonic_ms()
-        for shard, holding in list(self._held.items()):
-            if now >= holding.deadline_ms:
-                self._drop(shard)
-
-    def _arm_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._held:
-            return
-        earliest = min(holding.deadline_ms for holding in self._held.values())
-        delay_ms = max(0, earliest - self._monotonic_ms())
-        self._timer = asyncio.get_running_loop().call_later(delay_ms / 1000, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._expire_due()
-        self._arm_timer()
-
     def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+        if self._holdings.failure is not None:
+            raise self._holdings.failure
