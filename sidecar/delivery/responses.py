@@ -17,7 +17,8 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.engine.core import attributes_text
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
-from sidecar.pipeline.runtime import SubscriptionRuntime, Unblocked
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_actions import Unblocked
 
 _MAX_RESPONSE_BYTES = 3 * 1024 * 1024
 """Stay under the 4 MiB default receive limit of gRPC clients, with room for our size estimate's error."""

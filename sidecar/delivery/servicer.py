@@ -31,7 +31,8 @@ from sidecar.delivery.errors import BadRequest, UnknownSubscription, abort, deco
 from sidecar.delivery.responses import subscription_status, unblock_response
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
 from sidecar.engine.core import KeyNotBlocked
-from sidecar.pipeline.runtime import SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 
 _LOGGER = logging.getLogger(__name__)
 

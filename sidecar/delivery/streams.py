@@ -24,7 +24,8 @@ import itertools
 from dataclasses import dataclass
 
 from sidecar.engine.types import Deliver
-from sidecar.pipeline.runtime import SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 
 _consumer_ids = itertools.count(1)
 

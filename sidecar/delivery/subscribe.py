@@ -28,7 +28,8 @@ from sidecar.delivery.errors import BadRequest, decoded
 from sidecar.delivery.responses import subscribe_responses
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
 from sidecar.engine.types import Deliver
-from sidecar.pipeline.runtime import AckTicket, SubscriptionUnavailable
+from sidecar.pipeline.runtime_acks import AckTicket
+from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 
 _LOGGER = logging.getLogger(__name__)
 

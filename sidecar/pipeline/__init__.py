@@ -11,8 +11,13 @@ the runtime that releases each key's messages in order.
   ``ingest_scheduler`` and ``ingest_watch`` import google-cloud-pubsub (the other ingest modules
   name its message type for annotations only).
 - ``classify``: a received message's key, position and dedup id, or why it is malformed.
-- ``runtime`` (with ``shard_engines``): one subscription's live state; executes the pure engine's
-  decisions with a store and a clock.
+- ``runtime``: ``SubscriptionRuntime``, one subscription's live state; executes the pure engine's
+  decisions with a store and a clock, through its parts: ``runtime_loading`` (recovery, a shard's
+  load, messages as stored), ``runtime_delivery`` (take, acks and nacks from the app's streams),
+  ``runtime_acks`` (acks confirmed only once durable), ``runtime_fast_path`` (the in-order fast path
+  and its settlement with Pub/Sub), ``runtime_actions`` (dead letters, dropped duplicates, unblock),
+  ``runtime_shards`` (shard adoption, drain and loss; one engine per shard, ``shard_engines``),
+  ``runtime_wakeups`` (streams and the timer) and ``runtime_context`` (what the parts share).
 - ``watermark_source`` and ``watermark_rule``: watermark mode's watermark from Cloud Monitoring.
 
 May import ``sidecar.engine``, ``sidecar.store``, ``sidecar.dead_letters``, ``sidecar.config``,

@@ -17,7 +17,7 @@ messages committed after the load's page reads, which nothing else would hand ov
 handed over whole. While the shard loads the runtime admits each record once
 (``ShardEngine.admit``); after, a copy of a message the engine holds is dropped as a duplicate. A
 snapshot may be older than the owner's own writes (a Listen lags a little); the runtime deals with
-a copy it already finished (``SubscriptionRuntime._finished_elsewhere``).
+a copy it already finished (``EngineActions._finished_elsewhere`` in ``sidecar.pipeline.runtime_actions``).
 
 A corrupt document is left out alone (logged; the next recovery refuses it): the others of its
 snapshot are still handed over. A read that fails (a chunk read) ends the Listen through

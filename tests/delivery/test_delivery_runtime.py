@@ -10,7 +10,8 @@ from delivery_harness import Harness, RecordingDeadLetters, sequence_config, wai
 from delivery_harness import incoming_message as sequence_message
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.pipeline.runtime import SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 from sidecar.store.api import StoreRejected
 from sidecar.store.memory import MemoryStore
 

@@ -15,7 +15,8 @@ from delivery_harness import incoming_message as sequence_message
 
 from sidecar.engine import EngineConfig
 from sidecar.engine.types import Message
-from sidecar.pipeline.runtime import SubscriptionRuntime, SubscriptionUnavailable
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 from sidecar.store.api import PayloadBudget, PersistOutcome, StoreRejected
 from sidecar.store.memory import MemoryStore
 

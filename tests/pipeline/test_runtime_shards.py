@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from sidecar.engine.types import EngineConfig
-from sidecar.pipeline.runtime import NotOwner, SubscriptionRuntime
+from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.pipeline.runtime_context import NotOwner
 from sidecar.shards import shard_of
 from sidecar.store import documents as docs
 from sidecar.store.api import IncomingMessage, PersistOutcome, ShardLost, SubscriptionStoreConfig
