@@ -1,6 +1,14 @@
-"""The pure ordering engine (DESIGN §4): see ``core`` for the rules and invariants."""
+"""The pure ordering engine (DESIGN §4): see ``core`` for the rules and invariants.
 
-from sidecar.engine.core import Engine, UnknownDelivery
+``core`` (the ``Engine``) sits on ``books`` (its state and primitives) and delegates each job to
+one module: ``arrival``, ``acks`` (and rewinds), ``dead_letters``, ``recovery``, ``fast_path``,
+``status``; ``payloads`` sizes held messages. The ordering policies are ``sequence``,
+``watermark`` and ``unordered``; ``state``, ``dedup``, ``timers`` and ``types`` are what they share.
+No module here imports I/O, a clock or asyncio (tests/engine/test_purity.py).
+"""
+
+from sidecar.engine.acks import UnknownDelivery
+from sidecar.engine.core import Engine
 from sidecar.engine.types import (
     AckIntent,
     Action,

@@ -29,6 +29,16 @@ def dedup_key(message: Message) -> Hashable:
     return ("replay", message.replay_id) if message.replay_id else message.dedup_id
 
 
+def identity(message: Message) -> object:
+    """What makes two stored copies one record: (key, sequence) in sequence mode, else the dedup id;
+    a replay's replay id in every mode."""
+    if message.replay_id:
+        return dedup_key(message)
+    if message.sequence is not None:
+        return (message.key, message.sequence)
+    return message.dedup_id
+
+
 class DedupMemory:
     __slots__ = ("_expiry", "_max_entries", "_order", "_ttl_ms")
 

@@ -29,7 +29,7 @@ Rules (DESIGN §4):
 - A replay (``Message.replay_id``) keeps its original's sequence. At the sequence its key is
   blocked at, it takes the dead letter's place (``resume_at``); at a
   sequence the key has not reached and holds nothing at, it is an ordinary arrival; at a sequence
-  the key passed or finished it is *behind*, and the engine core applies ``on_replay_behind`` (a
+  the key passed or finished it is *behind*, and ``arrival`` applies ``on_replay_behind`` (a
   flagged replay waits in ``replays``, never in ``index``, whose slot may hold a finished
   placeholder); at a sequence the key holds another message for, it is behind too: that message
   has the place (a replay is never dropped for another message: the operator asked for it).

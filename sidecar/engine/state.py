@@ -1,4 +1,4 @@
-"""Per-message and per-key bookkeeping shared by the ordering policies and the engine core.
+"""Per-message and per-key bookkeeping shared by the ordering policies and the engine's books.
 
 Plain mutable records with ``__slots__`` (the hot path creates one ``Entry`` per stored message and
 touches a ``KeyLedger`` on every event, so attribute access must be cheap and memory small).
@@ -17,6 +17,9 @@ Key invariants (checked by the property tests):
 - ``n_out`` counts entries in OUT or DEAD of the key (late ones too): the in-flight slots. An ACKING
   entry (the app acked, not yet durable) holds no slot: G2 waits for the app's ack only.
 - ``consumer`` is set exactly while ``n_out > 0``: the key's affinity to one stream.
+- A dead letter outside any key's order (a conflict, a late message, a refused replay) is held in
+  ``AsideDeadLetters`` until ``dead_letter_done``: pending in an export, and a copy of its record
+  stored meanwhile is a duplicate (the record must stay pending until the dead letter is recorded).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from sidecar.engine.dedup import identity
 from sidecar.engine.types import Message, SkippedRange
 
 HELD = 0
@@ -185,3 +189,41 @@ class KeyLedger:
         self.waiting = False
         """Holds messages back (gap, watermark, backoff, dead letter): counted in ``keys_blocked``."""
         self.wait_since: int | None = None
+
+
+class AsideDeadLetters:
+    """Dead letters outside any key's order, from the ``DeadLetter`` decision to ``dead_letter_done``.
+
+    One message may be dead-lettered aside more than once (two stored copies of one conflict): it is
+    counted, and forgotten when every one of its dead letters is done."""
+
+    __slots__ = ("identities", "messages")
+
+    def __init__(self) -> None:
+        self.messages: dict[Message, tuple[int, int]] = {}
+        """Each message: how many of its dead letters are not done yet, and its arrival number."""
+        self.identities: dict[object, int] = {}
+        """Their records' identities (``dedup.identity``), counted: a copy of one is a duplicate."""
+
+    def add(self, message: Message, n: int) -> None:
+        held = self.messages.get(message)
+        self.messages[message] = (1, n) if held is None else (held[0] + 1, held[1])
+        ident = identity(message)
+        self.identities[ident] = self.identities.get(ident, 0) + 1
+
+    def done(self, message: Message) -> bool:
+        """One dead letter of ``message`` is recorded; False when none of it is held here."""
+        held = self.messages.get(message)
+        if held is None:
+            return False
+        count, n = held
+        if count > 1:
+            self.messages[message] = (count - 1, n)
+        else:
+            del self.messages[message]
+        ident = identity(message)
+        if self.identities.get(ident, 0) > 1:
+            self.identities[ident] -= 1
+        else:
+            self.identities.pop(ident, None)
+        return True

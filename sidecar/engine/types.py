@@ -120,6 +120,41 @@ class EngineConfig:
     for them arrives. Only with a ``cursor_source``."""
 
 
+def check_config(config: EngineConfig) -> None:
+    """Raise ValueError naming every value of ``config`` the engine cannot work with."""
+    problems = []
+    if config.mode not in ("sequence", "watermark", "none"):
+        problems.append(f"mode must be sequence, watermark or none, got {config.mode!r}")
+    if config.on_gap_timeout not in ("hold", "skip"):
+        problems.append(f"on_gap_timeout must be hold or skip, got {config.on_gap_timeout!r}")
+    if config.on_late not in ("dead_letter", "deliver"):
+        problems.append(f"on_late must be dead_letter or deliver, got {config.on_late!r}")
+    if config.on_dead_letter not in ("block", "skip"):
+        problems.append(f"on_dead_letter must be block or skip, got {config.on_dead_letter!r}")
+    if config.on_replay_behind not in ("deliver_flagged", "refuse"):
+        problems.append(f"on_replay_behind must be deliver_flagged or refuse, got {config.on_replay_behind!r}")
+    if config.max_in_flight_per_key < 1:
+        problems.append(f"max_in_flight_per_key must be >= 1, got {config.max_in_flight_per_key}")
+    if config.max_delivery_attempts < 1:
+        problems.append(f"max_delivery_attempts must be >= 1, got {config.max_delivery_attempts}")
+    if config.ack_deadline_ms <= 0:
+        problems.append(f"ack_deadline_ms must be > 0, got {config.ack_deadline_ms}")
+    if config.backoff_initial_ms < 0 or config.backoff_maximum_ms < config.backoff_initial_ms:
+        problems.append(
+            f"backoff must satisfy 0 <= initial <= maximum, got {config.backoff_initial_ms}/{config.backoff_maximum_ms}"
+        )
+    if config.gap_timeout_ms is not None and config.gap_timeout_ms < 0:
+        problems.append(f"gap_timeout_ms must be >= 0 or None, got {config.gap_timeout_ms}")
+    if config.dedup_ttl_ms < 0:
+        problems.append(f"dedup_ttl_ms must be >= 0, got {config.dedup_ttl_ms}")
+    if config.max_idle_keys < 0:
+        problems.append(f"max_idle_keys must be >= 0, got {config.max_idle_keys}")
+    if config.dedup_memory_max_entries < 0:
+        problems.append(f"dedup_memory_max_entries must be >= 0, got {config.dedup_memory_max_entries}")
+    if problems:
+        raise ValueError("invalid engine config: " + "; ".join(problems))
+
+
 # ---- decisions -------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ Rules (DESIGN §4):
   id; its position stays its original's ``(timestamp_ms, dedup_id)``.
 - A replay (``Message.replay_id``) at the position its key is blocked at resumes the key there
   (``resume_at``); one at or behind the key's released position is *behind*
-  (``replay_place``), and the engine core applies ``on_replay_behind``.
+  (``replay_place``), and ``arrival`` applies ``on_replay_behind``.
 
 Every held message above the watermark sits once in one shared heap ordered by timestamp, so an
 advance of the watermark pops exactly the messages it releases: O(log n) per message, no scan over

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from sidecar.backoff import backoff_seconds
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
+from sidecar.engine.payloads import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.engine.types import Message
 from sidecar.store import documents as docs
 from sidecar.store import layout

@@ -20,7 +20,7 @@ from sidecar.engine import (
     SkippedRange,
     UnknownDelivery,
 )
-from sidecar.engine.core import KeyNotBlocked
+from sidecar.engine.dead_letters import KeyNotBlocked
 
 
 def sequence_engine(**overrides: object) -> Engine:

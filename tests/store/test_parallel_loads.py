@@ -11,7 +11,7 @@ from gated_documents import DEADLINE_SECONDS as _DEADLINE_SECONDS
 from gated_documents import GatedDocuments, keys_by_shard, until
 from store_helpers import ack, incoming
 
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
+from sidecar.engine.payloads import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.store import layout
 from sidecar.store.api import PayloadBudget, SubscriptionStoreConfig
 from sidecar.store.document_store import DocumentStore

@@ -13,7 +13,7 @@ import pytest
 from gated_documents import DEADLINE_SECONDS, GatedDocuments, keys_by_shard, shard_queried, until
 from store_helpers import ack, incoming
 
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES
+from sidecar.engine.payloads import HELD_MESSAGE_OVERHEAD_BYTES
 from sidecar.engine.types import EngineSnapshot, Message
 from sidecar.store import document_store, layout, reader
 from sidecar.store import documents as docs
