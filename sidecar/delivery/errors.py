@@ -24,7 +24,7 @@ import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.delivery.handlers import Undecodable
-from sidecar.engine.core import KeyNotBlocked
+from sidecar.engine.dead_letters import KeyNotBlocked
 from sidecar.pipeline.runtime_context import NotOwner, SubscriptionUnavailable
 from sidecar.store.api import StoreError
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2
-from sidecar.engine.core import attributes_text
+from sidecar.engine.payloads import attributes_text
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.pipeline.runtime_actions import Unblocked

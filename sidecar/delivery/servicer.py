@@ -30,7 +30,7 @@ from sidecar.delivery import subscribe
 from sidecar.delivery.errors import BadRequest, UnknownSubscription, abort, decoded, quote
 from sidecar.delivery.responses import subscription_status, unblock_response
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
-from sidecar.engine.core import KeyNotBlocked
+from sidecar.engine.dead_letters import KeyNotBlocked
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 

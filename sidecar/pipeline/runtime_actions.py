@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sidecar.engine.core import REASON_BELOW_CURSOR, KeyNotBlocked
+from sidecar.engine.dead_letters import REASON_BELOW_CURSOR, KeyNotBlocked
 from sidecar.engine.types import Action, DeadLetter, DropDuplicate, Hold, Message
 from sidecar.pipeline.runtime_context import NotOwner, RuntimeContext, retry_backoff_seconds
 from sidecar.pipeline.shard_engines import ShardEngine

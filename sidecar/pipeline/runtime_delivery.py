@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from sidecar.engine import UnknownDelivery
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
+from sidecar.engine.payloads import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
 from sidecar.engine.types import AckIntent, Deliver
 from sidecar.pipeline.runtime_acks import AckPipeline, AckTicket
 from sidecar.pipeline.runtime_context import RuntimeContext, SubscriptionUnavailable

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from sidecar.engine import Engine
-from sidecar.engine.core import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
+from sidecar.engine.payloads import HELD_MESSAGE_OVERHEAD_BYTES, payload_size
 from sidecar.engine.types import DeadLetter, DropDuplicate, Hold, Message
 from sidecar.pipeline.runtime_context import RuntimeContext, SubscriptionUnavailable, first_cause
 from sidecar.pipeline.shard_engines import ShardEngine
