@@ -4,5 +4,5 @@
 - ``observability``: ``/healthz``, ``/readyz`` and ``/metrics`` (aiohttp, prometheus-client).
 - ``listening``: binding the gRPC and HTTP listeners, refusing an address in use.
 
-A leaf: imports nothing of the sidecar (the wiring hands it snapshots), so every layer may use it.
+A leaf: imports nothing of the sidecar (``sidecar.wiring.reporting`` hands it snapshots), so every layer may use it.
 """

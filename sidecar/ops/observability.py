@@ -2,7 +2,9 @@
 
 Counters and gauges are not kept twice: a custom collector reads them from the running
 subscriptions (engine status and ingest counters) at scrape time, so a scrape always agrees with
-GetStatus. Only the two latency histograms are observed as events happen.
+GetStatus. Only the two latency histograms are observed as events happen. The snapshots, the
+histograms' observations, the readiness checks and the liveness answer are made by
+``sidecar.wiring.reporting``: this module knows nothing of the sidecar's layers.
 
 ``/healthz`` answers 200 while the process serves HTTP and every subscription makes progress
 (liveness): a recovery that has read nothing new for minutes answers 503, so that Kubernetes
