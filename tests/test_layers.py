@@ -47,9 +47,10 @@ _GOOGLE_LIBRARIES: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "google-cloud-pubsub": (
         ("google.cloud.pubsub_v1", "google.pubsub_v1", "google.cloud.pubsub"),
         {
-            # One module per job: the subscriber (ingest, with the scheduler and the transport it
-            # alone uses), the dead-letter publisher, the dead-letter tooling, the demo's publisher.
-            "sidecar.pipeline.ingest",
+            # One module per job: the subscriber (ingest's streaming pull, with the scheduler and the
+            # transport it alone uses), the dead-letter publisher, the dead-letter tooling, the demo's
+            # publisher.
+            "sidecar.pipeline.ingest_pull",
             "sidecar.pipeline.ingest_scheduler",
             "sidecar.pipeline.ingest_watch",
             "sidecar.dead_letters.publisher",

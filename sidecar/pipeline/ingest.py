@@ -44,7 +44,7 @@ Rules (G1 in DESIGN §1 depends on each of them):
   own ModifyAckDeadline calls: nacked on the open stream, they would come straight back to it.
 - Payloads never appear in logs; ids, counts and reasons do. Of the ingest modules only
   ``ingest_pull`` (with ``ingest_scheduler`` and ``ingest_watch``, which it alone uses) imports
-  Pub/Sub; the others name its message type for annotations only.
+  Pub/Sub; the others see its messages as ``ingest_settlement.PulledMessage``.
 
 Known limit: the Python client hands messages that carry a Pub/Sub ``ordering_key`` to the callback
 one per ordering key at a time, until the previous one is acked or nacked. Such keys therefore
@@ -58,7 +58,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.api_core import exceptions as api_exceptions
 
@@ -68,7 +68,7 @@ from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.pipeline.ingest_backpressure import Backpressure
 from sidecar.pipeline.ingest_counters import IngestCounters
 from sidecar.pipeline.ingest_persist import Persister
-from sidecar.pipeline.ingest_pull import StreamingPull, describe_error, describe_seconds
+from sidecar.pipeline.ingest_pull import StreamingPull, SubscriberClient, describe_error, describe_seconds
 from sidecar.pipeline.ingest_settlement import Settlement
 from sidecar.pipeline.ingest_sort import (
     BATCH_WINDOW_SECONDS,
@@ -80,9 +80,6 @@ from sidecar.pipeline.ingest_sort import (
 from sidecar.pipeline.pull_health import PullHealth
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.store.api import Store
-
-if TYPE_CHECKING:
-    from google.cloud import pubsub_v1
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -121,7 +118,7 @@ class Ingestor:
         runtime: SubscriptionRuntime,
         dead_letters: DeadLetterPublisher,
         *,
-        subscriber: pubsub_v1.SubscriberClient | None = None,
+        subscriber: SubscriberClient | None = None,
         max_batch_messages: int = MAX_BATCH_MESSAGES,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         batch_window_seconds: float = BATCH_WINDOW_SECONDS,
@@ -374,7 +371,7 @@ class Ingestor:
         if not await self._pull.shut_down():
             errors.append(IngestError(f"ingest of {self.name!r}: streaming pull did not shut down"))
         self._sorter.forget_queued()
-        await self._settlement.give_back(self._pull.subscriber, self.subscription_path)
+        await self._settlement.give_back(self._pull.nack_ids if self._pull.subscriber is not None else None)
         errors += await self._pull.close_client()
         if errors:
             raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]

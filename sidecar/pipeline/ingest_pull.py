@@ -47,8 +47,12 @@ from sidecar.pipeline.pull_health import PullHealth
 
 _LOGGER = logging.getLogger(__name__)
 
+SubscriberClient = pubsub_v1.SubscriberClient
+"""The client class, named here for ``Ingestor(subscriber=...)``: only this module imports the library."""
+
 _PULL_SHUTDOWN_SECONDS = 10.0
-"""How long ``shut_down()`` waits for the client to shut the stream down and flush its acks and nacks."""
+"""How long ``shut_down()`` waits for the client to shut the stream down and flush its acks and nacks;
+also the timeout of each ``nack_ids`` call."""
 
 _STREAM_THREAD_EXIT_SECONDS = 2.0
 """How long ``close_client()`` then waits for the client's stream thread to end before closing the
@@ -77,7 +81,7 @@ class StreamingPull:
         flow: FlowControlConfig,
         health: PullHealth,
         *,
-        subscriber: pubsub_v1.SubscriberClient | None,
+        subscriber: SubscriberClient | None,
         max_lease_duration_seconds: float,
     ) -> None:
         self.name = name
@@ -124,7 +128,7 @@ class StreamingPull:
         """Make the client unless one was passed in."""
         if self.subscriber is None:
             # Made here, not at import: it reads PUBSUB_EMULATOR_HOST at construction.
-            self.subscriber = pubsub_v1.SubscriberClient(transport=watched_transport(self._health))
+            self.subscriber = SubscriberClient(transport=watched_transport(self._health))
 
     def subscribe(self, loop: asyncio.AbstractEventLoop, callback: Callable[[PubsubMessage], None]) -> None:
         """Open a streaming pull (at start, and again after one was closed for good)."""
@@ -189,6 +193,17 @@ class StreamingPull:
             self.done.exception()  # retrieved: a failure was reported by run() already
         return True
 
+    def nack_ids(self, ack_ids: list[str]) -> None:
+        """Blocking: nack ``ack_ids`` (at most 1000) with our own ModifyAckDeadline call, not through the
+        stream (``Settlement.give_back``, after the stream was shut down)."""
+        assert self.subscriber is not None
+        self.subscriber.modify_ack_deadline(
+            subscription=self.subscription_path,
+            ack_ids=ack_ids,
+            ack_deadline_seconds=0,
+            timeout=_PULL_SHUTDOWN_SECONDS,
+        )
+
     async def close_client(self) -> list[BaseException]:
         """Close the client if it was made here, once its stream thread ended; the errors met."""
         if not self._owns_subscriber or self.subscriber is None:
@@ -245,4 +260,5 @@ def describe_error(exc: BaseException) -> str:
 
 
 def describe_seconds(seconds: float) -> str:
+    """``max_duration_per_lease_extension`` for a log line (0: the client's own, unbounded by us)."""
     return f"{seconds:g}s" if seconds else "unbounded"

@@ -21,16 +21,17 @@ Rules (G1 in DESIGN §1 depends on each of them):
   ModifyAckDeadline calls once the stream is closed: nacked on the open stream, Pub/Sub would send
   them straight back to it, and after the stream closed the client's dispatcher would drop them.
 - Everything runs on the event loop. Payloads never appear in logs; ids, counts and reasons do.
-  The Pub/Sub client library is named here for annotations only (``sidecar.pipeline.ingest_pull``
-  imports it).
+  Pub/Sub's messages are seen through ``PulledMessage`` (what ingest uses of them), and the give-back
+  calls through ``StreamingPull.nack_ids``: only ``sidecar.pipeline.ingest_pull`` imports the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from google.api_core import exceptions as api_exceptions
 
@@ -38,18 +39,32 @@ from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.pipeline.ingest_counters import IngestCounters
 
-if TYPE_CHECKING:
-    from google.cloud.pubsub_v1 import SubscriberClient
-    from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
-
 _LOGGER = logging.getLogger(__name__)
 
 _MAX_IDS_PER_MODACK = 1000
 """Pub/Sub accepts at most 1000 ack ids per ModifyAckDeadline call."""
 
-_GIVE_BACK_TIMEOUT_SECONDS = 10.0
-"""Timeout of each ModifyAckDeadline call of ``give_back``: the bound ``stop()`` gives the stream's
-own shutdown, so a Pub/Sub that does not answer delays a stop by as much again, no more."""
+
+class PulledMessage(Protocol):
+    """What ingest uses of a message the Pub/Sub subscriber hands over (its ``Message``)."""
+
+    @property
+    def ack_id(self) -> str: ...
+    @property
+    def message_id(self) -> str: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def attributes(self) -> Mapping[str, str]: ...
+    @property
+    def ordering_key(self) -> str: ...
+    @property
+    def publish_time(self) -> datetime.datetime: ...
+    def ack(self) -> None:
+        """Ack through the client's dispatcher (queued; sent on the stream's connection)."""
+
+    def nack(self) -> None:
+        """Nack through the client's dispatcher: Pub/Sub redelivers it at once."""
 
 
 class Settlement:
@@ -69,10 +84,10 @@ class Settlement:
         self._dead_letters = dead_letters
         self._backoff_seconds = backoff_seconds
         self._backoff_maximum_seconds = backoff_maximum_seconds
-        self._unsettled: dict[str, PubsubMessage] = {}
+        self._unsettled: dict[str, PulledMessage] = {}
         """ack_id -> message received and neither acked nor nacked yet: what stop() gives back."""
         self._nack_timers: dict[str, asyncio.TimerHandle] = {}
-        self._fast: dict[int, PubsubMessage] = {}
+        self._fast: dict[int, PulledMessage] = {}
         """Fast-path messages (``runtime.take_fast``) by ``id`` of the engine's message: their Pub/Sub
         ack waits for ``runtime.on_volatile_settled``."""
 
@@ -91,11 +106,11 @@ class Settlement:
         """Messages with a nack scheduled (``nack_later``)."""
         return len(self._nack_timers)
 
-    def receive(self, message: PubsubMessage) -> None:
+    def receive(self, message: PulledMessage) -> None:
         """``message`` was handed to ingest: held until acked or nacked."""
         self._unsettled[message.ack_id] = message
 
-    def await_volatile(self, taken: Message, message: PubsubMessage) -> None:
+    def await_volatile(self, taken: Message, message: PulledMessage) -> None:
         """``message`` took the fast path as ``taken``: its ack waits for ``on_volatile_settled``."""
         self._fast[id(taken)] = message
 
@@ -110,20 +125,20 @@ class Settlement:
         else:
             self.nack(pubsub)
 
-    def ack(self, message: PubsubMessage) -> None:
+    def ack(self, message: PulledMessage) -> None:
         if self._unsettled.pop(message.ack_id, None) is None:
             return
         message.ack()
         self._counters.acked += 1
 
-    def nack(self, message: PubsubMessage) -> None:
+    def nack(self, message: PulledMessage) -> None:
         self._nack_timers.pop(message.ack_id, None)
         if self._unsettled.pop(message.ack_id, None) is None:
             return
         message.nack()
         self._counters.nacked += 1
 
-    def nack_later(self, message: PubsubMessage, delay_seconds: float) -> None:
+    def nack_later(self, message: PulledMessage, delay_seconds: float) -> None:
         """Keep ``message`` leased for ``delay_seconds``, then nack it (a backoff before redelivery)."""
         loop = asyncio.get_running_loop()
         self._nack_timers[message.ack_id] = loop.call_later(delay_seconds, self.nack, message)
@@ -136,8 +151,9 @@ class Settlement:
             self.nack(message)
         return len(messages)
 
-    async def give_back(self, subscriber: SubscriberClient | None, subscription_path: str) -> None:
-        """Nack everything still held, with our own ModifyAckDeadline calls, once the stream is closed.
+    async def give_back(self, nack_ids: Callable[[list[str]], None] | None) -> None:
+        """Nack everything still held, with our own ModifyAckDeadline calls (``nack_ids``, a blocking
+        call: ``StreamingPull.nack_ids``; None without a client), once the stream is closed.
 
         Not ``message.nack()``: after the stream closed the client's dispatcher is gone and would drop
         them, and before it closed Pub/Sub would send them straight back to this stream.
@@ -145,18 +161,12 @@ class Settlement:
         self._cancel_timers()
         ack_ids = list(self._unsettled)
         self._unsettled.clear()
-        if not ack_ids or subscriber is None:
+        if not ack_ids or nack_ids is None:
             return
         for start in range(0, len(ack_ids), _MAX_IDS_PER_MODACK):
             chunk = ack_ids[start : start + _MAX_IDS_PER_MODACK]
             try:
-                await asyncio.to_thread(
-                    subscriber.modify_ack_deadline,
-                    subscription=subscription_path,
-                    ack_ids=chunk,
-                    ack_deadline_seconds=0,
-                    timeout=_GIVE_BACK_TIMEOUT_SECONDS,
-                )
+                await asyncio.to_thread(nack_ids, chunk)
             except api_exceptions.GoogleAPICallError as exc:
                 # No loss: their leases run out and Pub/Sub redelivers them a little later.
                 _LOGGER.warning("ingest of %s: giving back %d messages failed: %s", self._name, len(chunk), exc)
@@ -164,7 +174,7 @@ class Settlement:
             self._counters.nacked += len(chunk)
         _LOGGER.info("ingest of %s: %d unpersisted messages given back to Pub/Sub", self._name, len(ack_ids))
 
-    async def dead_letter_then_ack(self, message: PubsubMessage, reason: str, *, key: str) -> None:
+    async def dead_letter_then_ack(self, message: PulledMessage, reason: str, *, key: str) -> None:
         """Publish to the dead-letter topic until it takes the message, then ack (never before)."""
         if self._dead_letters.topic_for(self._name) is None:
             _LOGGER.error(

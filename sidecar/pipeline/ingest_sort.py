@@ -25,8 +25,8 @@ Rules:
   failed on (a bug of ours: nacked after the maximum backoff, never dead-lettered); every queued
   message stays held in ``Settlement`` until the store or the runtime made it safe.
 - ``persisting`` counts, by key, the messages sorted to be stored and not yet released: deferring
-  waits on it. Everything runs on the event loop. The Pub/Sub client library is named here for
-  annotations only.
+  waits on it. Everything runs on the event loop. Messages are seen as ``PulledMessage``: the
+  Pub/Sub client library is not imported here.
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ from typing import TYPE_CHECKING, Any
 from sidecar.config.model import SubscriptionConfig
 from sidecar.pipeline.classify import Malformed, classify
 from sidecar.pipeline.ingest_counters import IngestCounters
-from sidecar.pipeline.ingest_settlement import Settlement
+from sidecar.pipeline.ingest_settlement import PulledMessage, Settlement
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.store.api import IncomingMessage
 
 if TYPE_CHECKING:
     import asyncio
-
-    from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -79,7 +77,7 @@ before its predecessor anyway, and is offered to the fast path the moment that o
 class Received:
     """A received message on its way to the fast path or the store, with what classify made of it."""
 
-    message: PubsubMessage
+    message: PulledMessage
     incoming: IncomingMessage
     deferred: bool = False
     """It already waited once for its key's persist (``Sorter._defer``): never twice."""
@@ -161,7 +159,7 @@ class Sorter:
 
     # ---- receiving (on the loop, from LoopScheduler) ---------------------------------------
 
-    def on_message(self, message: PubsubMessage) -> None:
+    def on_message(self, message: PulledMessage) -> None:
         """The subscriber's callback; ``LoopScheduler`` runs it on the loop."""
         self._counters.received += 1
         self._settlement.receive(message)
@@ -374,7 +372,7 @@ class Sorter:
         self._persisting.clear()
 
 
-def _publish_time_ms(message: PubsubMessage) -> int:
+def _publish_time_ms(message: PulledMessage) -> int:
     """Publish time in integer ms since the epoch, computed exactly (no float rounding)."""
     publish_time = message.publish_time
     if publish_time.tzinfo is None:
