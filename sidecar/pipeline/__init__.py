@@ -9,7 +9,7 @@ the runtime that releases each key's messages in order.
   with Pub/Sub, only once durable; dead letter, then ack), ``ingest_backpressure`` (no new batch
   while the app is behind) and ``ingest_counters``. Of this package only ``ingest_pull``,
   ``ingest_scheduler`` and ``ingest_watch`` import google-cloud-pubsub (the other ingest modules
-  name its message type for annotations only).
+  see its messages as ``ingest_settlement.PulledMessage``).
 - ``classify``: a received message's key, position and dedup id, or why it is malformed.
 - ``runtime``: ``SubscriptionRuntime``, one subscription's live state; executes the pure engine's
   decisions with a store and a clock, through its parts: ``runtime_loading`` (recovery, a shard's
