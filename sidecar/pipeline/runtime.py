@@ -230,8 +230,7 @@ class SubscriptionRuntime:
         self._wakeups.after_change()
 
     async def loaded(self) -> None:
-        """Wait until every shard's pending messages are restored; raises the runtime's failure if
-        a load failed for good."""
+        """Wait until every shard's pending messages are restored; raises if a load failed for good."""
         await self._loading.loaded()
 
     @property
@@ -329,8 +328,7 @@ class SubscriptionRuntime:
         await self._shards.drain(shard, timeout_seconds)
 
     def inbox_behind(self, shard: int, epoch: int) -> None:
-        """Before ``adopt_shard``: the shard's inbox Listen has not handed over its first snapshot
-        (``ShardLoading.inbox_behind``)."""
+        """Before ``adopt_shard``: the shard's inbox has no first snapshot yet (``ShardLoading``)."""
         self._loading.inbox_behind(shard, epoch)
 
     def inbox_caught_up(self, shard: int, epoch: int) -> None:
@@ -459,4 +457,5 @@ class SubscriptionRuntime:
 
 
 def _shard(key: str, count: int) -> int:
+    # Positional, as every other caller: ``shard_of``'s cache keys a keyword call apart.
     return shard_of(key, count)
