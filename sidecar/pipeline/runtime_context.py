@@ -11,11 +11,13 @@ each of its parts (``runtime_loading``, ``runtime_fast_path``, ``runtime_acks``,
   write is harmless to lose).
 - A write the store fences carries ``fenced(epochs)``: the epoch each shard's decision was made under
   (None without leases: one engine, never dropped, nothing to tell apart).
-- The parts do not call one another: they tell the runtime through the context's four hooks.
-  ``apply`` carries out an engine's actions, ``after_change`` wakes the streams and the timer,
-  ``settle`` settles a fast-path message with Pub/Sub, ``shard_lost`` drops the shards the store
-  said this pod no longer owns. Any part that changed an engine calls ``after_change`` before it
-  returns to the event loop.
+- A part imports only the parts it drives (``runtime_shards`` drives the loading, the acks and the
+  fast path; ``runtime_delivery`` the acks); what any part must tell the others goes through the
+  context's four hooks, which the runtime routes: ``apply`` carries out an engine's actions,
+  ``after_change`` wakes the streams and the timer, ``settle`` settles a fast-path message with
+  Pub/Sub, ``shard_lost`` drops the shards the store said this pod no longer owns. A part that may
+  have made messages ready calls ``after_change`` before it returns to the event loop (``take``,
+  which only hands messages out, wakes the timer alone).
 """
 
 from __future__ import annotations
