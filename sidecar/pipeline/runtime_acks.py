@@ -4,8 +4,8 @@ Rules:
 
 - An app's ack counts only once ``store.commit_acks`` succeeded: a ticket's ``confirmed`` future
   resolves with the accepted ids only then. Acks from all streams are group-committed: while one
-  ``commit_acks`` call runs, new acks queue up and go together in the next call (at most
-  ``_MAX_ACKS_PER_COMMIT`` acks a call).
+  ``commit_acks`` call runs, new acks queue up and go together in the next call (up to
+  ``_MAX_ACKS_PER_COMMIT`` acks a call, or one submission alone when it is larger).
 - Acks of fast-path messages (``volatile``: never stored) wait for their shards' next checkpoint
   (up to an interval): they are made durable in a task of their own, so that the batches behind them
   do not wait too. A batch's tickets are answered once each of its parts (stored, fast-path) is

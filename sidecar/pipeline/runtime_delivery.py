@@ -4,9 +4,10 @@ accept acks and nacks.
 Each stream is one engine consumer. Rules:
 
 - Nothing is handed out before the runtime is ready (recovered, running, not stopping), nor of a
-  shard being handed over, nor on a lease check that no longer holds: ``take`` and ``load_payloads``
-  first drop every shard whose lease is not held within its margin now, and a delivery whose shard
-  was dropped while its payload was read back is withheld (its next owner delivers it).
+  shard being handed over, nor on a lease check that no longer holds: ``take`` and ``submit_ack``
+  first drop every shard whose lease is not held within its margin now, and ``load_payloads`` again
+  after its read: a delivery whose shard was dropped while its payload was read back is withheld
+  (its next owner delivers it).
 - Shards are taken from in turn, so that none starves (``ShardEngines.take``).
 - A stored message leaves the held-bytes budget when it is first handed out; a fast-path message was
   never counted (its Pub/Sub lease and the client's flow control bound it).

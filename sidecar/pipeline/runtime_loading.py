@@ -10,9 +10,10 @@ Rules:
 - Each stored record reaches an engine once (``ShardEngine.admit``): a page read before a record was
   finished can still hold it, and the shard's inbox Listen may hand over records a page restored
   until its first snapshot came (``inbox_behind`` / ``inbox_caught_up``).
-- A load retries while the store is unavailable. A permanent ``StoreError`` (a corrupt document)
-  fails the runtime: nothing of the shard can be proven in order. A shard dropped while it loads
-  keeps nothing of the load.
+- A load retries while the store is unavailable. A permanent ``StoreError`` reading the cursors
+  raises to the caller (``recover``, ``adopt``); reading the pages (a corrupt document) it fails
+  the runtime: nothing of the shard can be proven in order. A shard dropped while it loads keeps
+  nothing of the load.
 - Memory: stored messages not yet handed out count against ``max_held_bytes`` (payloads kept plus
   ``HELD_MESSAGE_OVERHEAD_BYTES`` each). A message held for ordering over the budget leaves its
   payload in the store (read back at delivery). The loads under way share one ``PayloadBudget``: what
