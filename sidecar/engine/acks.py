@@ -5,7 +5,8 @@ Rules (invariants 2, 3 and 5 of ``core``):
 - ``ack``: the message is ACKING (never handed out again, G3) until ``ack_durable``; its in-flight
   slot is free at once (G2 asks only for the app's ack). The ``AckIntent`` carries the cursor the
   ack gives once durable, and in sequence mode the gap-skipped ranges below that cursor that no
-  durable ack has carried yet. A replay delivered aside (``replayed``) moves no cursor.
+  durable ack has carried yet. A replay delivered aside (``replayed``) acks ``aside``: the store
+  folds nothing into the key's cursor for it.
 - ``ack_durable``: the cursor passes the finished prefix of the key's ``out``; unknown or repeated
   ids are ignored. The stored copy of a fast-path message may go once its ack is durable.
 - A nack or an expiry (``fail``) gives back the message and every later one of its key still in

@@ -1,8 +1,9 @@
 """The engine's books: every key, every delivery in flight, and the counts derived from them.
 
 ``Books`` is the state one ``Engine`` owns, with the primitives every event handler (``arrival``,
-``acks``, ``dead_letters``, ``recovery``, the engine's ``take`` and ``tick``) changes it through.
-Its attributes are public to those modules of the engine and to nothing else.
+``acks``, ``dead_letters``, ``recovery``, the engine's ``take`` and ``tick``) changes it through;
+``fast_path`` and ``status`` only read it. Its attributes are public to those modules of the
+engine and to nothing else.
 
 Rules the primitives keep (the invariants themselves are stated in ``core``):
 
@@ -11,9 +12,11 @@ Rules the primitives keep (the invariants themselves are stated in ``core``):
 - A key sits in at most one ready queue that counts: "" the shared one (nobody has it in flight),
   else its consumer's. A queue may still hold a key that moved; ``KeyLedger.queued`` says which
   entry counts, so a stale one is skipped when popped, never acted on.
-- ``hand_out`` and ``end_delivery`` are the only ways into and out of OUT: they keep the
-  deliveries by id and by consumer, ``n_out`` and the key's ``out`` list (sorted by position) in
-  step. ``finish`` is the only way to DONE but for a BLOCKED entry an operator skips.
+- ``hand_out`` is the only way into OUT, ``end_delivery`` (a nack, an expiry, a close, a dead
+  letter) and an ack the ways out: they keep the deliveries by id and by consumer, ``n_out`` and
+  the key's ``out`` list (sorted by position) in step. ``finish`` ends an entry that counts as
+  pending (durably acked, or dead-lettered and not blocking); a BLOCKED entry, no longer pending,
+  is ended where its block is lifted (``dead_letters.unblock``, a replay in ``arrival``).
 - The cursor passes only a finished prefix of ``out`` (``retire_finished``), never a message a
   nack gave back that waits before it.
 - An idle key (nothing held, in flight, pending or blocked) may be forgotten past ``max_idle_keys``
