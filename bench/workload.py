@@ -9,8 +9,8 @@ every published message (it cannot tell a retry); the sidecar counts distinct me
 Rules this module keeps:
 - A stream is a pure function of its arguments and seed: the same run publishes the same messages
   in the same order, before and after a change.
-- Every subscription entry dedups by the publisher's retry-stable ``event_id`` (sequence mode dedups
-  by key and sequence as well), so the three modes count the same distinct messages.
+- Every subscription entry names the publisher's retry-stable ``event_id`` as its dedup attribute:
+  sequence mode dedups by key and sequence, the other modes need that id to drop a retry.
 - A phase's deadline is generous (shared, noisy cores) yet finite.
 """
 
