@@ -1,6 +1,6 @@
 """The cursor book: a subscription's durable per-key cursors, and which of them still need writing. Pure.
 
-The book holds each key's ``KeyState`` as last made durable, and applies the fold of
+The book holds each key's ``CursorState`` as last made durable, and applies the fold of
 ``sidecar.store.cursors`` to a batch of finishes (``propose``: copies) once their Commit succeeded
 (``accept``: kept). ``sidecar.store.fencing`` plans the Commits from it; recovery rebuilds it
 (``restore``).
@@ -28,7 +28,7 @@ from typing import Any
 
 from sidecar.engine.types import AckIntent, Message
 from sidecar.store.cursor_documents import cursor_fields, overlay_entry_size
-from sidecar.store.cursors import CursorRules, KeyState, fold_ack, fold_dead_letter, position_of, skips_of
+from sidecar.store.cursors import CursorRules, CursorState, fold_ack, fold_dead_letter, position_of, skips_of
 
 OVERLAY_MAX_BYTES = 256 * 1024
 """Budget of a checkpoint's ``cursors`` map; past it, the keys changed longest ago move to their own
@@ -53,7 +53,7 @@ class CursorBook:
         self.mode = rules.mode
         self.policy = rules.on_dead_letter
         self.interval_ms = interval_ms
-        self.states: dict[str, KeyState] = {}
+        self.states: dict[str, CursorState] = {}
         self._dirty: dict[int, set[str]] = {}
         """Per shard: keys with a change not yet in a cursor record."""
         self._overlay: dict[int, set[str]] = {}
@@ -66,7 +66,7 @@ class CursorBook:
             shard = self._shards[key] = self.rules.shard(key)
         return shard
 
-    def _copy(self, key: str, proposed: dict[str, KeyState]) -> KeyState:
+    def _copy(self, key: str, proposed: dict[str, CursorState]) -> CursorState:
         state = proposed.get(key)
         if state is None:
             current = self.states.get(key)
@@ -80,10 +80,10 @@ class CursorBook:
         dead_letters: Sequence[Message],
         now_ms: int,
         aside: Sequence[Message] = (),
-    ) -> dict[str, KeyState]:
+    ) -> dict[str, CursorState]:
         """Copies of the affected keys' states with ``acks``, in-order ``dead_letters`` and dead
         letters ``aside`` (late) folded in."""
-        proposed: dict[str, KeyState] = {}
+        proposed: dict[str, CursorState] = {}
         if self.mode == "none":
             return proposed  # none mode keeps no cursor
         for ack in acks:
@@ -102,13 +102,13 @@ class CursorBook:
         return proposed
 
     @staticmethod
-    def _touch(state: KeyState, before: dict[str, Any], now_ms: int) -> None:
+    def _touch(state: CursorState, before: dict[str, Any], now_ms: int) -> None:
         if cursor_fields(state) != before:
             state.changed_ms = now_ms
             if state.dirty_since_ms is None:
                 state.dirty_since_ms = now_ms
 
-    def dirty_shards(self, proposed: dict[str, KeyState] | None = None) -> set[int]:
+    def dirty_shards(self, proposed: dict[str, CursorState] | None = None) -> set[int]:
         """Shards with a change not yet in a cursor record (``proposed`` included)."""
         shards = {shard for shard, keys in self._dirty.items() if keys}
         for key, state in (proposed or {}).items():
@@ -117,8 +117,8 @@ class CursorBook:
         return shards
 
     def plan_checkpoint(
-        self, shard: int, proposed: dict[str, KeyState], room: int, now_ms: int
-    ) -> tuple[list[KeyState], list[KeyState], int | None]:
+        self, shard: int, proposed: dict[str, CursorState], room: int, now_ms: int
+    ) -> tuple[list[CursorState], list[CursorState], int | None]:
         """What a checkpoint of ``shard`` written now holds: (overlay states, states to write to
         their own cursor documents in the same Commit (at most ``room``), the oldest change left
         for a later checkpoint (None: every change of the shard is in this one)).
@@ -130,7 +130,7 @@ class CursorBook:
         states = [proposed.get(key) or self.states[key] for key in keys]
         sizes = {state.key: overlay_entry_size(state) for state in states}
         total = sum(sizes.values())
-        spill: list[KeyState] = []
+        spill: list[CursorState] = []
         if total > OVERLAY_MAX_BYTES and room > 0:
             oldest_first = sorted(states, key=lambda st: (st.changed_ms, st.key))
             for state in oldest_first:
@@ -156,11 +156,11 @@ class CursorBook:
 
     def accept(
         self,
-        proposed: dict[str, KeyState],
+        proposed: dict[str, CursorState],
         now_ms: int,
         *,
-        documents: Iterable[KeyState] = (),
-        overlays: Mapping[int, Iterable[KeyState]] | None = None,
+        documents: Iterable[CursorState] = (),
+        overlays: Mapping[int, Iterable[CursorState]] | None = None,
     ) -> None:
         """After a successful Commit: keep ``proposed``; ``documents`` were written to their own
         cursor documents, ``overlays`` (per shard) into the checkpoint written in that Commit."""
@@ -186,7 +186,7 @@ class CursorBook:
                 dirty.discard(state.key)
                 overlay.add(state.key)
 
-    def restore(self, states: dict[str, KeyState], dirty_since_ms: int, shards: Iterable[int] | None = None) -> None:
+    def restore(self, states: dict[str, CursorState], dirty_since_ms: int, shards: Iterable[int] | None = None) -> None:
         """Replace the book (or, with ``shards``, those shards' part of it) with recovered states;
         keys whose record lagged are dirty."""
         if shards is None:
@@ -212,7 +212,7 @@ class CursorBook:
             self._dirty.pop(shard, None)
             self._overlay.pop(shard, None)
 
-    def dirty_states(self, proposed: dict[str, KeyState]) -> list[KeyState]:
+    def dirty_states(self, proposed: dict[str, CursorState]) -> list[CursorState]:
         """Every state with an unwritten change, ``proposed`` taking precedence over the book."""
         merged = {key: self.states[key] for keys in self._dirty.values() for key in keys}
         merged.update(proposed)

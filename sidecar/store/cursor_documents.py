@@ -2,7 +2,7 @@
 
 Rules:
 
-- ``cursor_fields`` is the one encoding of a ``KeyState`` (``sidecar.store.cursors``); the book
+- ``cursor_fields`` is the one encoding of a ``CursorState`` (``sidecar.store.cursors``); the book
   compares it to tell a change, the writer stores it, ``state_from_cursor_doc`` reads it back.
   An overlay entry (a key in a checkpoint's ``cursors`` map) is the same fields without ``v``.
 - A document that is not one of ours (a wrong type, a missing key, an odd number of skip bounds)
@@ -16,23 +16,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.store.cursors import KeyState
+from sidecar.store.cursors import CursorState
 from sidecar.store.layout import LAYOUT_VERSION, CorruptDocument, check_version, value_size
 
 
-def overlay_fields(state: KeyState) -> dict[str, Any]:
+def overlay_fields(state: CursorState) -> dict[str, Any]:
     """A key's entry in its shard checkpoint's ``cursors`` map: its cursor fields without ``v``."""
     fields = cursor_fields(state)
     del fields["v"]
     return fields
 
 
-def overlay_entry_size(state: KeyState) -> int:
+def overlay_entry_size(state: CursorState) -> int:
     """Storage size of the key's entry in the ``cursors`` map (name + value, Firestore's formula)."""
     return 41 + value_size(overlay_fields(state))
 
 
-def cursor_fields(state: KeyState) -> dict[str, Any]:
+def cursor_fields(state: CursorState) -> dict[str, Any]:
     """A cursor document's fields (without ``written_ms``, which the writer adds)."""
     fields: dict[str, Any] = {"key": state.key, "v": LAYOUT_VERSION}
     if state.next_sequence is not None:
@@ -59,7 +59,7 @@ def cursor_fields(state: KeyState) -> dict[str, Any]:
     return fields
 
 
-def state_from_cursor_doc(doc_id: str, fields: dict[str, Any], what: str = "") -> KeyState:
+def state_from_cursor_doc(doc_id: str, fields: dict[str, Any], what: str = "") -> CursorState:
     """Decode a cursor document (or, ``what`` naming it, a checkpoint's overlay entry); raises
     CorruptDocument naming it when it is not one of ours."""
     what = what or f"cursor document keys/{doc_id}"
@@ -68,7 +68,7 @@ def state_from_cursor_doc(doc_id: str, fields: dict[str, Any], what: str = "") -
         key = fields["key"]
         if not isinstance(key, str):
             raise TypeError(f"key is {type(key).__name__}, not a string")
-        state = KeyState(key)
+        state = CursorState(key)
         if fields.get("next_seq") is not None:
             state.next_sequence = _int(fields["next_seq"])
         state.done_above = {_int(seq) for seq in fields.get("above_seq") or []}

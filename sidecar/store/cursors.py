@@ -1,6 +1,6 @@
 """Per-key cursors of the store: what is durable per key, and how it folds. Pure.
 
-A key's durable state (``KeyState``) is a fold over the finishes the store made durable, in the
+A key's durable state (``CursorState``) is a fold over the finishes the store made durable, in the
 order their Commits succeeded: acks (with the engine's cursor for them, ``AckIntent.cursor``) and
 dead letters in the key's order. ``fold_ack`` and ``fold_dead_letter`` are that fold; the book
 applies them after each Commit, and recovery (``sidecar.store.recovery``) applies the very same
@@ -61,7 +61,7 @@ Cursor = int | Position
 
 
 @dataclass(slots=True)
-class KeyState:
+class CursorState:
     key: str
     next_sequence: int | None = None
     """sequence mode: the next sequence to deliver (None: nothing known)."""
@@ -89,10 +89,10 @@ class KeyState:
     changed_ms: int = 0
     """When the state last changed (which keys move from the checkpoint to their own documents first)."""
 
-    def copy(self) -> KeyState:
+    def copy(self) -> CursorState:
         """A copy sharing nothing mutable. Field by field (a test checks that every field is copied):
         ``dataclasses.replace`` costs several times more, and this runs once per ack."""
-        return KeyState(
+        return CursorState(
             key=self.key,
             next_sequence=self.next_sequence,
             last_position=self.last_position,
@@ -112,7 +112,7 @@ def _max(current: Any, new: Any) -> Any:
     return new if current is None or (new is not None and new > current) else current
 
 
-def _walk(state: KeyState) -> None:
+def _walk(state: CursorState) -> None:
     """Sequence mode: move the cursor over finished sequences at it; forget those below it."""
     if state.next_sequence is None or not state.done_above:
         return
@@ -139,9 +139,9 @@ class CursorRules:
     def shard(self, key: str) -> int:
         return shard_of(key, self.shards)
 
-    def new_state(self, key: str) -> KeyState:
+    def new_state(self, key: str) -> CursorState:
         start = self.sequence_start if self.mode == "sequence" else None
-        return KeyState(key, next_sequence=start, known_from=start)
+        return CursorState(key, next_sequence=start, known_from=start)
 
 
 def rules_of(config: SubscriptionStoreConfig) -> CursorRules:
@@ -158,7 +158,7 @@ Skips = Sequence[tuple[int, int]]
 """Ranges ``(first, last)`` of sequences a gap timeout skipped (``AckIntent.skipped``)."""
 
 
-def _record_skips(state: KeyState, before: int, after: int, position: int | None, skipped: Skips | None) -> None:
+def _record_skips(state: CursorState, before: int, after: int, position: int | None, skipped: Skips | None) -> None:
     """The cursor moved from ``before`` to ``after``: record as skipped the part of ``skipped`` (the
     ranges a gap timeout passed, as the engine carried them with the ack) in ``[before, after)``,
     less the sequences known finished (``position``, ``done_above``). Every other sequence passed
@@ -189,7 +189,7 @@ def _record_skips(state: KeyState, before: int, after: int, position: int | None
         state.known_from = max(state.known_from or 0, last + 1)
 
 
-def _unskip(state: KeyState, seq: int) -> None:
+def _unskip(state: CursorState, seq: int) -> None:
     """``seq`` finished after all (a late message acked or dead-lettered): no longer skipped."""
     for i, (first, last) in enumerate(state.skips):
         if first <= seq <= last:
@@ -199,7 +199,7 @@ def _unskip(state: KeyState, seq: int) -> None:
 
 
 def fold_ack(
-    state: KeyState, mode: Mode, position: int | Position | None, cursor: Cursor | None, skipped: Skips | None = ()
+    state: CursorState, mode: Mode, position: int | Position | None, cursor: Cursor | None, skipped: Skips | None = ()
 ) -> None:
     """A durable ack of the message at ``position`` whose cursor, once durable, is ``cursor``, with
     the ranges a gap timeout skipped below it (``AckIntent.skipped``; None: unknown, ``_record_skips``)."""
@@ -230,7 +230,7 @@ def fold_ack(
 
 
 def fold_dead_letter(
-    state: KeyState, mode: Mode, position: int | Position, policy: DeadLetterPolicy, *, in_order: bool = True
+    state: CursorState, mode: Mode, position: int | Position, policy: DeadLetterPolicy, *, in_order: bool = True
 ) -> None:
     """A durable dead letter of the key's message at ``position``.
 
@@ -263,13 +263,13 @@ def fold_dead_letter(
     # watermark + skip: the ack after it carries a cursor past it (the engine counts it as finished).
 
 
-def _behind_cursor(state: KeyState, position: int | Position) -> bool:
+def _behind_cursor(state: CursorState, position: int | Position) -> bool:
     if isinstance(position, int):
         return state.next_sequence is not None and position < state.next_sequence
     return state.last_position is not None and position <= state.last_position
 
 
-def fold_unblock(state: KeyState, mode: Mode, position: Cursor) -> None:
+def fold_unblock(state: CursorState, mode: Mode, position: Cursor) -> None:
     """An operator passed the dead letter at ``position`` the key was blocked at: it counts as skipped."""
     state.unblocked.add(position)
     if state.blocked_at == position:
@@ -281,7 +281,7 @@ def fold_unblock(state: KeyState, mode: Mode, position: Cursor) -> None:
     # watermark: like a skip, the next ack carries a cursor past it.
 
 
-def is_blocked(state: KeyState) -> bool:
+def is_blocked(state: CursorState) -> bool:
     if state.blocked_at is None:
         return False
     if isinstance(state.blocked_at, int):
@@ -302,7 +302,7 @@ def position_of(message: Message) -> int | Position | None:
     return None
 
 
-def key_cursor(state: KeyState, mode: Mode) -> KeyCursor | None:
+def key_cursor(state: CursorState, mode: Mode) -> KeyCursor | None:
     """The engine's view of a recovered key (None when there is nothing to restore)."""
     blocked = is_blocked(state)
     blocked_position = state.blocked_at if blocked else None

@@ -68,7 +68,7 @@ from sidecar.store import layout
 from sidecar.store.api import DEAD_LETTERED, DROPPED, ShardLost, SubscriptionStoreConfig
 from sidecar.store.cursor_book import CursorBook
 from sidecar.store.cursor_documents import cursor_fields, overlay_fields
-from sidecar.store.cursors import KeyState, skips_of
+from sidecar.store.cursors import CursorState, skips_of
 
 _SHARDS_PER_FLUSH_COMMIT = 100
 """Shards per flush Commit: leaves most of its 500 writes for cursor documents, and bounds the
@@ -219,7 +219,7 @@ class ShardWriter:
         due = [shard for shard in sub.book.dirty_shards() | sub.stale if self._due(sub, shard, now_ms)]
         return sorted(due, key=lambda shard: (written.get(shard, -1), shard))
 
-    async def unblock(self, sub: Subscription, state: KeyState, now_ms: int) -> set[int]:
+    async def unblock(self, sub: Subscription, state: CursorState, now_ms: int) -> set[int]:
         """Write the key's cursor (in its shard's checkpoint) now, whatever the coalescing interval;
         returns the shards lost (the key's, when its fence failed: nothing written)."""
         shard = sub.shard(state.key)
@@ -292,8 +292,8 @@ class ShardWriter:
             aside = [i.dead_letter for i in items if i.dead_letter is not None and i.state != DEAD_LETTERED]
             proposed = sub.book.propose(acks, dead, now_ms, aside)
             room = docs.MAX_WRITES - len(writes) - len(shards)
-            spilled: list[KeyState] = []
-            overlays: dict[int, list[KeyState]] = {}
+            spilled: list[CursorState] = []
+            overlays: dict[int, list[CursorState]] = {}
             cleans: dict[int, int] = {}
             for shard in self._due_checkpoints(sub, shards, proposed, now_ms, force):
                 plan = _plan_checkpoint(sub, shard, proposed, room, now_ms)
@@ -317,7 +317,7 @@ class ShardWriter:
             return
 
     def _due_checkpoints(
-        self, sub: Subscription, shards: set[int], proposed: dict[str, KeyState], now_ms: int, force: bool = False
+        self, sub: Subscription, shards: set[int], proposed: dict[str, CursorState], now_ms: int, force: bool = False
     ) -> list[int]:
         """The shards among ``shards`` whose checkpoint this Commit writes: those with a change not
         yet in a cursor record (or a lagging checkpoint), at most once per interval each (``force``:
@@ -411,13 +411,13 @@ class ShardWriter:
 class _CheckpointPlan:
     writes: list[docs.Write]
     """The keys moved to their own cursor documents, then the checkpoint itself."""
-    kept: list[KeyState]
-    spill: list[KeyState]
+    kept: list[CursorState]
+    spill: list[CursorState]
     clean_ms: int
 
 
 def _plan_checkpoint(
-    sub: Subscription, shard: int, proposed: dict[str, KeyState], room: int, now_ms: int
+    sub: Subscription, shard: int, proposed: dict[str, CursorState], room: int, now_ms: int
 ) -> _CheckpointPlan:
     """The writes of ``shard``'s checkpoint now (``CursorBook.plan_checkpoint``), with its clean time."""
     kept, spill, left = sub.book.plan_checkpoint(shard, proposed, room, now_ms)
@@ -427,14 +427,14 @@ def _plan_checkpoint(
     return _CheckpointPlan(writes, kept, spill, clean_ms)
 
 
-def _checkpoint_write(sub: Subscription, shard: int, clean_ms: int, overlay: list[KeyState]) -> docs.Write:
+def _checkpoint_write(sub: Subscription, shard: int, clean_ms: int, overlay: list[CursorState]) -> docs.Write:
     """The shard's checkpoint: ``clean_ms`` and the overlay of cursors (``CursorBook``), as one replace."""
     fields: dict[str, Any] = {layout.SHARD: shard, "clean_ms": clean_ms, "v": layout.LAYOUT_VERSION}
     fields[layout.OVERLAY] = {layout.key_doc_id(state.key): overlay_fields(state) for state in overlay}
     return docs.replace(layout.checkpoint_path(sub.path, shard), fields)
 
 
-def _cursor_write(sub: Subscription, state: KeyState, shard: int, now_ms: int) -> docs.Write:
+def _cursor_write(sub: Subscription, state: CursorState, shard: int, now_ms: int) -> docs.Write:
     fields = cursor_fields(state)
     fields["written_ms"] = now_ms
     fields[layout.SHARD] = shard

@@ -50,7 +50,7 @@ from sidecar.engine.types import EngineSnapshot, Message, Mode
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE
 from sidecar.store.cursor_documents import cursor_fields
 from sidecar.store.cursor_documents import state_from_cursor_doc as _decode_cursor
-from sidecar.store.cursors import CursorRules, KeyState, fold_ack, fold_dead_letter, key_cursor
+from sidecar.store.cursors import CursorRules, CursorState, fold_ack, fold_dead_letter, key_cursor
 from sidecar.store.layout import (
     ACKED,
     CURSOR_SKIPS,
@@ -74,7 +74,7 @@ class ModeMismatch(ValueError):
 @dataclass(frozen=True, slots=True)
 class Recovered:
     snapshot: EngineSnapshot
-    states: dict[str, KeyState]
+    states: dict[str, CursorState]
     """The durable per-key states, for the cursor book (``dirty_since_ms`` set where the cursor
     document lags behind the tombstones)."""
     since_ms: int
@@ -147,10 +147,10 @@ def recover(
     overlay entry replaces its cursor document (it is never older: a key leaves the overlay only in
     the Commit that writes its document)."""
     mode = rules.mode
-    states: dict[str, KeyState] = {}
+    states: dict[str, CursorState] = {}
     stored: dict[str, dict[str, Any]] = {}
 
-    def keep(state: KeyState) -> None:
+    def keep(state: CursorState) -> None:
         if mode == "sequence" and state.next_sequence is None and state.blocked_at is None:
             state.next_sequence = rules.sequence_start
         states[state.key] = state

@@ -12,7 +12,7 @@ from sidecar.store import cursor_book as cursor_module
 from sidecar.store.api import PersistOutcome, SubscriptionStoreConfig
 from sidecar.store.cursor_book import CursorBook
 from sidecar.store.cursor_documents import overlay_entry_size
-from sidecar.store.cursors import CursorRules, KeyState
+from sidecar.store.cursors import CursorRules, CursorState
 
 _ROOT = "pubsub-sidecar/orders"
 
@@ -69,7 +69,7 @@ async def test_past_the_budget_the_oldest_changed_keys_move_to_their_own_documen
     own = {fields["key"] for fields in (await documents(client, f"{_ROOT}/keys")).values()}
     assert in_overlay and own and in_overlay | own == set(keys) and not in_overlay & own
     assert max(own) < min(in_overlay), "the keys changed longest ago move first"
-    budget = sum(overlay_entry_size(cursor_module.KeyState(k, next_sequence=2)) for k in in_overlay)
+    budget = sum(overlay_entry_size(cursor_module.CursorState(k, next_sequence=2)) for k in in_overlay)
     assert budget <= 2_000
     # A moved key that changes again comes back into the overlay, which wins over its older document.
     (again,) = await _stored(store, [incoming("key-000", 2)], now_ms=13_000)
@@ -122,7 +122,7 @@ async def test_a_corrupt_overlay_stops_recovery_naming_the_checkpoint(make_store
 
 def test_a_key_state_copy_has_every_field_and_shares_nothing_mutable() -> None:
     # copy() names the fields one by one: a field added later and left out fails here.
-    state = KeyState(
+    state = CursorState(
         key="k",
         next_sequence=7,
         last_position=(5, "m"),
@@ -136,8 +136,8 @@ def test_a_key_state_copy_has_every_field_and_shares_nothing_mutable() -> None:
         in_overlay=True,
         changed_ms=6,
     )
-    defaults = KeyState(key="")
-    assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(KeyState))
+    defaults = CursorState(key="")
+    assert all(getattr(state, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(CursorState))
     copied = state.copy()
     assert copied == state
     copied.done_above.add(20)
