@@ -65,7 +65,13 @@ implement these services and are not counted."""
 _MAX_LINES = 520
 """About 500: a module past it holds more than one job (split it by job, not by size)."""
 
-_LONG_MODULES: dict[str, str] = {}
+_LONG_MODULES: dict[str, str] = {
+    "sidecar/store/firestore.py": (
+        "the store's only google-cloud-firestore importer: the client, the RPCs, the fenced transaction, the "
+        "Listen stream and the admin check all need its types; the Google-free parts are firestore_codec.py, "
+        "firestore_errors.py and listen_protocol.py"
+    ),
+}
 """Module -> why it may stay longer than ``_MAX_LINES``. Generated code and the emulators are not counted."""
 
 

@@ -8,7 +8,8 @@
 - ``errors``: the delivery layer's errors, mapped to gRPC status codes in one place.
 - ``handlers``: the method table, with request decoding that never fails inside gRPC.
 
-The only layer that imports the generated protobuf code (``pubsub_sidecar.v1``). May import
+The only layer of the running sidecar that imports the generated protobuf code (``pubsub_sidecar.v1``;
+the ``status`` and ``unblock`` commands use it as clients). May import
 ``sidecar.pipeline`` (the runtimes it serves), ``sidecar.store`` (its errors), ``sidecar.engine``,
 ``sidecar.config`` and ``sidecar.ops``.
 """
