@@ -5,7 +5,7 @@ the checkpoint document of each shard loaded (``clean_ms``), every cursor docume
 every pending message of those shards (chunks already reassembled), and every tombstone finished at
 or after ``since_ms(checkpoints)`` (of any shard: ``recover`` keeps those of the shards loaded). Nothing here
 reads, writes or waits, so the rules below are exercised directly by the crash simulation
-(tests/store/test_crash_simulation.py) against any state a crash can leave.
+(tests/store/test_crash_*.py) against any state a crash can leave.
 
 Rules, and why each keeps the guarantees of DESIGN §1:
 

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from crash_sim import Simulation
+from crash_sim_support import sim_configs
 from hypothesis import strategies as st
 from sim_world import SimConfig
-from test_crash_simulation import sim_configs
 
 _COUNTERS = ("crash_points", "crashes", "handovers", "fenced_writes", "unavailable", "stale_acks", "pages_restored")
 
