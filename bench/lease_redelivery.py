@@ -42,17 +42,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
 
-from e2e_harness import (
-    App,
-    EmulatorsProcess,
-    PubSub,
-    SidecarProcess,
-    async_poll,
-    async_wait_until,
-    order_message,
-    subscription_entry,
-    write_config,
-)
+from e2e_app import App
+from e2e_config import order_message, subscription_entry, write_config
+from e2e_google import PubSub
+from e2e_processes import EmulatorsProcess, SidecarProcess
+from e2e_waits import async_poll, async_wait_until
 
 from pubsub_sidecar_client import Message
 

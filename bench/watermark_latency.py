@@ -4,7 +4,7 @@
         [--metric 1:2 --metric 2:4] [--margin 0] [--poll 0.5]
 
 For each ``--metric P:D`` (sampling period P seconds, visibility delay D seconds) this starts the
-project's emulators and a sidecar as real processes (``tests/e2e/e2e_harness.py``), configured with
+project's emulators and a sidecar as real processes (``tests/e2e/e2e_processes.py``), configured with
 ``max_metric_delay = P + D`` (the rule's requirement, docs/watermark.md), publishes ``--messages``
 messages over ``--keys`` keys at a steady ``--rate`` with the official client, and measures, in the
 app (``pubsub_sidecar_client.OrderedSubscriber``), ``arrival wall clock - publish_time``.
@@ -29,7 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
 
-from e2e_harness import EmulatorsProcess, PubSub, SidecarProcess, subscription_entry, write_config
+from e2e_config import subscription_entry, write_config
+from e2e_google import PubSub
+from e2e_processes import EmulatorsProcess, SidecarProcess
 
 from pubsub_sidecar_client import OrderedSubscriber
 

@@ -16,14 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_harness import (
-    App,
-    EmulatorsProcess,
-    PubSub,
-    SidecarProcess,
-    subscription_entry,
-    write_config,
-)
+from e2e_app import App
+from e2e_config import subscription_entry, write_config
+from e2e_google import PubSub
+from e2e_processes import EmulatorsProcess, SidecarProcess
 
 from pubsub_sidecar_client import Message
 

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from e2e_harness import START_TIMEOUT_SECONDS, OutputPump
+from e2e_processes import START_TIMEOUT_SECONDS, OutputPump
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"
 

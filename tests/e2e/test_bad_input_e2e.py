@@ -12,7 +12,8 @@ import os
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, order_message
+from e2e_config import order_message
+from e2e_waits import async_wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -27,16 +27,14 @@ import time
 
 import pytest
 from conftest import Scenario
-from e2e_harness import (
-    ReadinessWatch,
-    async_wait_drained,
+from e2e_checks import (
     async_wait_every_position_confirmed,
-    async_wait_shards_spread,
-    async_wait_until,
     check_confirmed_deliveries_are_final,
     check_sequence_guarantees_across,
-    order_message,
 )
+from e2e_config import order_message
+from e2e_fleet import ReadinessWatch, async_wait_drained, async_wait_shards_spread
+from e2e_waits import async_wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -32,17 +32,12 @@ from pathlib import Path
 
 import pytest
 from conftest import Scenario
-from e2e_harness import (
-    LOG_DIR,
-    SidecarProcess,
-    async_wait_drained,
-    async_wait_until,
-    check_acks_confirmed_within,
-    check_confirmed_deliveries_are_final,
-    check_sequence_guarantees,
-    dump_firestore,
-    order_message,
-)
+from e2e_checks import check_acks_confirmed_within, check_confirmed_deliveries_are_final, check_sequence_guarantees
+from e2e_config import order_message
+from e2e_fleet import async_wait_drained
+from e2e_google import dump_firestore
+from e2e_processes import LOG_DIR, SidecarProcess
+from e2e_waits import async_wait_until
 
 from pubsub_sidecar_client import get_status
 

@@ -12,7 +12,9 @@ import random
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, check_sequence_guarantees, order_message
+from e2e_checks import check_sequence_guarantees
+from e2e_config import order_message
+from e2e_waits import async_wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,8 @@ import time
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_poll, async_wait_until, order_message
+from e2e_config import order_message
+from e2e_waits import async_poll, async_wait_until
 
 from pubsub_sidecar_client import get_status
 

@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, order_message
+from e2e_config import order_message
+from e2e_waits import async_wait_until
 
 from pubsub_sidecar_client import OrderedSubscriber
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, order_message
+from e2e_config import order_message
+from e2e_waits import async_wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytestmark = pytest.mark.e2e

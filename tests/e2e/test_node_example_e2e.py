@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, order_message
+from e2e_config import order_message
+from e2e_waits import async_wait_until
 from node_example import NODE_MISSING, NodeApp, install
 
 pytestmark = [

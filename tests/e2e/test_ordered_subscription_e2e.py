@@ -14,7 +14,8 @@ from collections import Counter
 
 import pytest
 from conftest import Scenario
-from e2e_harness import async_wait_until, check_sequence_guarantees
+from e2e_checks import check_sequence_guarantees
+from e2e_waits import async_wait_until
 
 from pubsub_sidecar_client import Message
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import Scenario
-from e2e_harness import PROJECT, SidecarProcess, async_wait_until, order_message, subscription_entry, write_config
+from e2e_config import PROJECT, order_message, subscription_entry, write_config
+from e2e_processes import SidecarProcess
+from e2e_waits import async_wait_until
 
 from pubsub_sidecar_client import get_status
 

@@ -20,7 +20,9 @@ import time
 
 import pytest
 from conftest import Scenario
-from e2e_harness import SidecarProcess, async_poll, async_wait_until, order_message
+from e2e_config import order_message
+from e2e_processes import SidecarProcess
+from e2e_waits import async_poll, async_wait_until
 
 from pubsub_sidecar_client import get_status
 from sidecar.pipeline.pull_health import FAILING_AFTER_SECONDS

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from e2e_harness import OutputPump
+from e2e_processes import OutputPump
 
 _REPO = Path(__file__).resolve().parents[2]
 README = _REPO / "README.md"

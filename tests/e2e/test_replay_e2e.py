@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 from conftest import Scenario
-from e2e_harness import _python_env, async_poll, async_wait_until, order_message
+from e2e_config import order_message
+from e2e_processes import _python_env
+from e2e_waits import async_poll, async_wait_until
 
 from pubsub_sidecar_client import Message, get_status
 

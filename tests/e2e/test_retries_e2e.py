@@ -10,7 +10,9 @@ import itertools
 
 import pytest
 from conftest import Scenario, Sub
-from e2e_harness import App, async_poll, async_wait_until, order_message
+from e2e_app import App
+from e2e_config import order_message
+from e2e_waits import async_poll, async_wait_until
 
 from pubsub_sidecar_client import get_status
 

@@ -15,13 +15,11 @@ from collections.abc import Sequence
 
 import pytest
 from conftest import Scenario, Sub
-from e2e_harness import (
-    App,
-    SidecarProcess,
-    async_wait_until,
-    check_sequence_guarantees_across,
-    order_message,
-)
+from e2e_app import App
+from e2e_checks import check_sequence_guarantees_across
+from e2e_config import order_message
+from e2e_processes import SidecarProcess
+from e2e_waits import async_wait_until
 
 from pubsub_sidecar_client.status import get_status
 from sidecar.shards import shard_of

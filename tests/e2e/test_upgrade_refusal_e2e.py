@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 from conftest import Scenario
-from e2e_harness import PROJECT, async_wait_until, emulator_env
+from e2e_config import PROJECT
+from e2e_google import emulator_env
+from e2e_waits import async_wait_until
 from google.cloud import firestore
 
 from sidecar.shards import shard_of

@@ -16,7 +16,7 @@ import random
 import time
 
 import pytest
-from e2e_harness import async_wait_until
+from e2e_waits import async_wait_until
 from wm_support import MAX_METRIC_DELAY_S, POLL_INTERVAL_S, Delivery, Recorder, Scenario, watermark_ordering
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

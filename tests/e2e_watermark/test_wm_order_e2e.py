@@ -18,7 +18,8 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from e2e_harness import PubSub, async_wait_until
+from e2e_google import PubSub
+from e2e_waits import async_wait_until
 from wm_support import Recorder, Scenario, Sub, watermark_ordering
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

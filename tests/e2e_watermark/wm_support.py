@@ -1,7 +1,7 @@
 """Helpers for the watermark-mode end-to-end tests: real emulators and sidecar processes.
 
-The processes and the app client come from ``tests/e2e/e2e_harness.py`` (imported, not copied:
-its directory is put on ``sys.path`` here). The emulators run with the short metric period and
+The processes and the app client come from ``tests/e2e/e2e_*.py`` (imported, not copied: their
+directory is put on ``sys.path`` here). The emulators run with the short metric period and
 delay of the brief (1 s sampling, 2 s visibility), so the watermark meets the same kind of lag it
 meets in production, only a minute shorter. Each test gets its own topics, subscriptions, Firestore
 root and sidecar, and everything it starts is stopped by the ``scenario`` fixture, also on failure.
@@ -26,14 +26,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 
-from e2e_harness import (
-    App,
-    EmulatorsProcess,
-    PubSub,
-    SidecarProcess,
-    subscription_entry,
-    write_config,
-)
+from e2e_app import App
+from e2e_config import subscription_entry, write_config
+from e2e_google import PubSub
+from e2e_processes import EmulatorsProcess, SidecarProcess
 
 from pubsub_sidecar_client import Message, get_status
 
