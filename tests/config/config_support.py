@@ -13,10 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.config.model import (
-    ConfigError,
-    load_config,
-)
+from sidecar.config.model import ConfigError, load_config
 
 DESIGN_EXAMPLE = """\
 project: demo-project

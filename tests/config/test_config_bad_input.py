@@ -1,5 +1,6 @@
 """Config file, bad input: every bad value or file is refused with one line naming the file, the field
-path and the reason (and its YAML line), and exits with code 2; arbitrary data gives a config or that error.
+path and the reason (and the field's YAML line); the config error exit prints that line and returns 2;
+arbitrary data gives a config or that error.
 """
 
 from __future__ import annotations
@@ -13,13 +14,7 @@ from config_support import DESIGN_EXAMPLE, error_of, minimal
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.config.model import (
-    EXIT_CONFIG,
-    ConfigError,
-    config_error_exit,
-    load_config,
-    parse_config,
-)
+from sidecar.config.model import EXIT_CONFIG, ConfigError, config_error_exit, load_config, parse_config
 
 # ---- bad input: one line, field path, reason ------------------------------------------------
 

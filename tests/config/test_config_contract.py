@@ -11,13 +11,7 @@ import pytest
 import yaml
 from config_support import DESIGN_EXAMPLE, minimal, write
 
-from sidecar.config.model import (
-    SequenceOrdering,
-    SubscriptionConfig,
-    WatermarkOrdering,
-    load_config,
-    parse_config,
-)
+from sidecar.config.model import SequenceOrdering, SubscriptionConfig, WatermarkOrdering, load_config, parse_config
 from sidecar.engine.types import EngineConfig
 
 

@@ -8,12 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.config.durations import (
-    MAX_DURATION_MS,
-    format_duration_ms,
-    parse_byte_size,
-    parse_duration_ms,
-)
+from sidecar.config.durations import MAX_DURATION_MS, format_duration_ms, parse_byte_size, parse_duration_ms
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,7 @@ import pytest
 from config_support import error_of, write
 
 from sidecar.config import errors as config_errors
-from sidecar.config.model import (
-    ConfigError,
-    load_config,
-)
+from sidecar.config.model import ConfigError, load_config
 
 
 def _billion_laughs() -> str:

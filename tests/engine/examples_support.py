@@ -6,10 +6,7 @@ Each returns plain ``(key, sequence)`` pairs so that an example reads as the ord
 
 from __future__ import annotations
 
-from sidecar.engine import (
-    Engine,
-    EngineConfig,
-)
+from sidecar.engine import Engine, EngineConfig
 
 
 def sequence_engine(**overrides: object) -> Engine:

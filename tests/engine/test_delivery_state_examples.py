@@ -8,14 +8,7 @@ import pytest
 from examples_support import ack_all, sequence_engine, taken
 from harness import seq_message
 
-from sidecar.engine import (
-    DeadLetter,
-    Engine,
-    EngineConfig,
-    EngineSnapshot,
-    KeyCursor,
-    UnknownDelivery,
-)
+from sidecar.engine import DeadLetter, Engine, EngineConfig, EngineSnapshot, KeyCursor, UnknownDelivery
 
 
 def test_nack_backs_off_exponentially_with_injected_jitter() -> None:

@@ -8,14 +8,7 @@ import pytest
 from examples_support import ack_all, sequence_engine
 from harness import seq_message, wm_message
 
-from sidecar.engine import (
-    DeadLetter,
-    DropDuplicate,
-    Engine,
-    EngineConfig,
-    Hold,
-    Message,
-)
+from sidecar.engine import DeadLetter, DropDuplicate, Engine, EngineConfig, Hold, Message
 
 # ---- watermark mode ---------------------------------------------------------------------------
 

@@ -10,15 +10,7 @@ import pytest
 from examples_support import ack_all, sequence_engine, taken
 from harness import seq_message, wm_message
 
-from sidecar.engine import (
-    DeadLetter,
-    Engine,
-    EngineConfig,
-    EngineSnapshot,
-    Hold,
-    KeyCursor,
-    SkippedRange,
-)
+from sidecar.engine import DeadLetter, Engine, EngineConfig, EngineSnapshot, Hold, KeyCursor, SkippedRange
 
 
 def _loading(config: EngineConfig, cursors: tuple[KeyCursor, ...] = (), watermark_ms: int | None = None) -> Engine:

@@ -8,15 +8,7 @@ import pytest
 from examples_support import sequence_engine
 from harness import seq_message, wm_message
 
-from sidecar.engine import (
-    Deliver,
-    DropDuplicate,
-    Engine,
-    EngineConfig,
-    EngineSnapshot,
-    KeyCursor,
-    SkippedRange,
-)
+from sidecar.engine import Deliver, DropDuplicate, Engine, EngineConfig, EngineSnapshot, KeyCursor, SkippedRange
 
 
 def _skipping(max_in_flight: int, gap_timeout_ms: int = 0) -> Engine:

@@ -8,14 +8,7 @@ import pytest
 from examples_support import ack_all, sequence_engine, taken
 from harness import seq_message
 
-from sidecar.engine import (
-    DeadLetter,
-    DropDuplicate,
-    Engine,
-    EngineConfig,
-    Hold,
-    SkippedRange,
-)
+from sidecar.engine import DeadLetter, DropDuplicate, Engine, EngineConfig, Hold, SkippedRange
 
 
 def test_gap_is_held_until_missing_sequence_arrives() -> None:

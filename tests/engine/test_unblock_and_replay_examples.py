@@ -8,15 +8,7 @@ import pytest
 from examples_support import ack_all, sequence_engine, taken
 from harness import replay_of, seq_message, wm_message
 
-from sidecar.engine import (
-    DeadLetter,
-    DropDuplicate,
-    Engine,
-    EngineConfig,
-    EngineSnapshot,
-    KeyCursor,
-    Message,
-)
+from sidecar.engine import DeadLetter, DropDuplicate, Engine, EngineConfig, EngineSnapshot, KeyCursor, Message
 from sidecar.engine.dead_letters import KeyNotBlocked
 
 # ---- unblock (an operator skips the dead letter a key is blocked at) ----------------------------
