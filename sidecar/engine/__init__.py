@@ -1,9 +1,10 @@
 """The pure ordering engine (DESIGN §4): see ``core`` for the rules and invariants.
 
 ``core`` (the ``Engine``) sits on ``books`` (its state and primitives) and delegates each job to
-one module: ``arrival``, ``acks`` (and rewinds), ``dead_letters``, ``recovery``, ``fast_path``,
-``status``; ``payloads`` sizes held messages. The ordering policies are ``sequence``,
-``watermark`` and ``unordered``; ``state``, ``dedup``, ``timers`` and ``types`` are what they share.
+one module: ``arrival``, ``acks`` (and rewinds), ``dead_letters``, ``gap_skip`` (an operator's
+skip of a gap), ``recovery``, ``fast_path``, ``status``; ``payloads`` sizes held messages. The
+ordering policies are ``sequence``, ``watermark`` and ``unordered``; ``state``, ``dedup``,
+``timers`` and ``types`` are what they share.
 No module here imports I/O, a clock or asyncio (tests/engine/test_purity.py).
 """
 

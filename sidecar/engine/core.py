@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from sidecar.engine import acks, arrival, dead_letters, fast_path, recovery, status
+from sidecar.engine import acks, arrival, dead_letters, fast_path, gap_skip, recovery, status
 from sidecar.engine import timers as _timers
 from sidecar.engine.books import Books
 from sidecar.engine.payloads import payload_size, strippable, stripped
@@ -67,6 +67,7 @@ from sidecar.engine.types import (
     KeyCursor,
     KeyStatus,
     Message,
+    SkippedRange,
     check_config,
 )
 
@@ -339,6 +340,17 @@ class Engine:
         again after its tombstone expired): the operator skipped it, it is never delivered.
         Raises KeyNotBlocked when the key is not blocked."""
         return dead_letters.unblock(self._books, key_name, position, now_ms)
+
+    def skip_gap(self, key_name: str, through: int, now_ms: int) -> SkippedRange:
+        """An operator skips the missing sequences the key waits on, up to ``through``; the store has
+        already recorded the range durably (``Store.skip_gap``). What follows is released as after a
+        gap timeout's skip, and a skipped sequence that arrives later is late. Raises
+        KeyNotWaitingOnGap or SkipOutOfRange (``gap_skip``); ``missing_range`` checks without applying."""
+        return gap_skip.skip_gap(self._books, key_name, through, now_ms)
+
+    def missing_range(self, key_name: str, through: int) -> SkippedRange:
+        """What ``skip_gap`` would skip, without skipping it (raises as it does)."""
+        return gap_skip.missing_range(self._books, key_name, through)
 
     def advance_watermark(self, watermark_ms: int, now_ms: int) -> list[Action]:
         """Release what the watermark passed. A watermark at or below the current one is ignored

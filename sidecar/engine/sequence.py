@@ -18,7 +18,9 @@ Rules (DESIGN §4):
 - Stored sequences form a *run* from ``next_out``: the run is releasable in order; anything beyond
   it is held with the reason "missing sequence N" where N is the first missing one.
 - A gap timeout with ``skip`` moves ``next_out`` to the lowest held sequence; that message carries
-  the skipped range. The cursor written to the store moves only when it is acked.
+  the skipped range. The cursor written to the store moves only when it is acked. An operator's
+  skip (``gap_skip``) passes the same way over the missing sequences up to the one it names; the
+  store recorded it before (``recorded``), so no ack carries it.
 - A nack's (or an expiry's, or a close's) rewind moves ``next_out`` back to the lowest message
   given back, never ``run_end``: what the key passed stays passed. Every position from the rewind
   up to ``run_end`` is held, in flight, acking, finished, or passed over (skipped, or late: such a
@@ -339,18 +341,34 @@ class SequencePolicy:
             return key.next_out
         return None
 
-    def skip_gap(self, key: KeyLedger) -> int:
-        """Pass over the missing sequences; returns how many were skipped.
+    def missing(self, key: KeyLedger) -> tuple[int, int] | None:
+        """The missing sequences ``(first, last)`` the key waits on at the head of its backlog, None
+        when it waits on no gap. ``last`` is one below the lowest sequence the key holds at all past
+        the gap (held, or finished before a restart: a restored placeholder)."""
+        first = self.gap(key)
+        if first is None:
+            return None
+        held = key.heap[0]
+        lowest = min((seq for seq in key.index if first <= seq < held), default=held)
+        return first, lowest - 1
+
+    def skip_gap(self, key: KeyLedger, through: int | None = None, *, recorded: bool = False) -> int:
+        """Pass over the missing sequences (all of them, or those up to ``through``); returns how many
+        were skipped.
 
         Only what is missing is skipped: up to the lowest sequence the key holds at all, which may be
         one finished before a restart (a restored placeholder) rather than the lowest held one. A
         finished sequence inside a skipped range would later look like a late arrival and could be
-        delivered again (G3)."""
+        delivered again (G3). ``through`` (an operator's skip, ``gap_skip``) must lie in the range
+        ``missing`` gives. ``recorded``: the store already holds the skipped range and its cursor passed
+        it (an operator's skip is written before it applies, with nothing unfinished before the gap),
+        so no ack needs to carry it (``unrecorded_skips``) and the key's cursor passes it at once."""
         held = key.heap[0]
-        first = key.next_out
-        lowest = min((seq for seq in key.index if first <= seq < held), default=held)
-        last = lowest - 1
-        target = held
+        first, last = self.missing(key)  # type: ignore[misc]
+        if through is not None:
+            if not first <= through <= last:
+                raise ValueError(f"key {key.name!r}: cannot skip through {through}, missing {first}..{last}")
+            last = through
         skipped = key.skipped
         skipped.append([first, last])
         if len(skipped) > _MAX_SKIPPED_RANGES_PER_KEY:
@@ -359,22 +377,30 @@ class SequencePolicy:
             _, forgotten_last = skipped.pop(0)
             key.known_from = max(key.known_from, forgotten_last + 1)
             key.adopted = False
-        entry = key.index[target]
+        entry = key.index[held]
         if entry.skipped is None:
             entry.skipped = []
         entry.skipped.append(SkippedRange(first, last))
-        unrecorded = key.unrecorded_skips
-        unrecorded.append(SkippedRange(first, last))
-        if len(unrecorded) > _MAX_SKIPPED_RANGES_PER_KEY:
-            # Bounded by merging the two oldest: the store then counts the sequences between them as
-            # skipped too (a copy of one is late, never dropped: G1), never the reverse.
-            unrecorded[0:2] = [SkippedRange(unrecorded[0].first, unrecorded[1].last)]
+        if not recorded:
+            unrecorded = key.unrecorded_skips
+            unrecorded.append(SkippedRange(first, last))
+            if len(unrecorded) > _MAX_SKIPPED_RANGES_PER_KEY:
+                # Bounded by merging the two oldest: the store then counts the sequences between them
+                # as skipped too (a copy of one is late, never dropped: G1), never the reverse.
+                unrecorded[0:2] = [SkippedRange(unrecorded[0].first, unrecorded[1].last)]
         # Step over sequences finished before a restart: the next to hand out is missing or held.
-        following = lowest
+        following = last + 1
         index = key.index
         while following < held and following in index and not _in_order_held(index[following]):
             following += 1
         key.next_out = key.run_end = following
+        if recorded:
+            # The store's cursor passed the range (nothing before it was unfinished): so does the key's,
+            # and over the sequences finished before a restart that follow it.
+            key.cursor = last + 1
+            out = key.out
+            while out and out[0].state == DONE and out[0].pos == key.cursor:
+                self.retire(key, out.pop(0))
         key.n_ready = len(key.late)
         _extend_run(key)
         skipped_count: int = last - first + 1

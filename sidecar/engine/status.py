@@ -56,7 +56,7 @@ def key_status(books: Books, key: KeyLedger) -> KeyStatus:
     state: KeyState
     waiting_for = ""
     since = key.wait_since
-    missing = None
+    missing = last_missing = None
     blocked_id, blocked_seq = "", None
     if key.blocked:
         state, waiting_for = "blocked_dead_letter", "an operator: the key stopped at a dead letter"
@@ -81,6 +81,8 @@ def key_status(books: Books, key: KeyLedger) -> KeyStatus:
     elif key.n_held and not key.n_ready:
         if books.seq is not None:
             state, waiting_for, missing = "waiting_sequence", books.seq.waiting_for(key), key.next_out
+            span = books.seq.missing(key)
+            last_missing = span[1] if span is not None else None
         else:
             head = books.wm.head_timestamp_ms(key)  # type: ignore[union-attr]
             state = "waiting_watermark"
@@ -100,6 +102,7 @@ def key_status(books: Books, key: KeyLedger) -> KeyStatus:
         in_flight=key.n_out,
         next_sequence=key.cursor if books.seq is not None else None,  # type: ignore[arg-type]
         missing_sequence=missing,
+        last_missing_sequence=last_missing,
         blocked_message_id=blocked_id,
         blocked_sequence=blocked_seq,
     )

@@ -260,6 +260,8 @@ class KeyStatus:
     in_flight: int
     next_sequence: int | None = None
     missing_sequence: int | None = None
+    last_missing_sequence: int | None = None
+    """waiting_sequence: the last of the missing sequences at the key's head (what a skip passes at most)."""
     blocked_message_id: str = ""
     """blocked_dead_letter: the Pub/Sub id of the dead letter the key stopped at ("" when unknown)."""
     blocked_sequence: int | None = None

@@ -238,6 +238,22 @@ class Store(Protocol):
         have the key blocked. Raises StoreError if not durable. ``epochs`` as for ``commit_acks``."""
         ...
 
+    async def skip_gap(
+        self,
+        subscription: str,
+        key: str,
+        first: int,
+        through: int,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> bool:
+        """Record durably that an operator skipped the missing sequences ``first..through`` of
+        ``key`` (sequence mode), whose cursor stands at ``first``: after a restart the key's cursor
+        is past them and a copy of one is late. False, nothing written, when the store's cursor
+        stands elsewhere. Raises StoreError if not durable. ``epochs`` as for ``commit_acks``."""
+        ...
+
     async def load(
         self,
         subscription: str,

@@ -39,6 +39,11 @@ Invariants:
   later stored one, a lost answer retried later). Inferring skips from the cursor's movement made
   those copies ``late`` after a restart. Only a tombstone of an earlier release, which carries no
   ranges, is still folded by inference (a copy there is late, never dropped: G1).
+- **An operator's gap skip** (``fold_skip_gap``) moves the cursor from the first missing sequence
+  past the last one it names and records that range as skipped, exactly as an ack carrying a gap
+  timeout's range would. It is made durable by writing the key's cursor document at once, before
+  the engine applies it; recovery reads the cursor document first, so the skip holds after a
+  restart and is never applied twice (the key no longer waits there).
 - **Cursors never move back**: every fold takes the maximum.
 
 The book that applies the fold after each Commit and decides when each key's cursor is written is
@@ -279,6 +284,25 @@ def fold_unblock(state: CursorState, mode: Mode, position: Cursor) -> None:
             state.done_above.add(position)
             _walk(state)
     # watermark: like a skip, the next ack carries a cursor past it.
+
+
+def fold_skip_gap(state: CursorState, first: int, through: int) -> bool:
+    """An operator skipped the missing sequences ``first..through`` of a key whose cursor stands at
+    ``first`` (or that has none yet: adopted by ``first_sequence: any``): the cursor passes them and
+    they count as skipped, as a gap timeout's skip carried by an ack would (a copy of one later is
+    ``late``). False, and nothing changed, when the cursor stands elsewhere or a sequence of the
+    range is known finished (the engine and the store disagree: the operator tries again)."""
+    if state.next_sequence not in (None, first) or through < first:
+        return False
+    if any(first <= seq <= through for seq in state.done_above):
+        return False
+    if state.known_from is None:
+        state.known_from = first
+    state.next_sequence = first
+    _record_skips(state, first, through + 1, None, [(first, through)])
+    state.next_sequence = through + 1
+    _walk(state)
+    return True
 
 
 def is_blocked(state: CursorState) -> bool:

@@ -61,7 +61,7 @@ from sidecar.store.api import (
     SubscriptionStoreConfig,
 )
 from sidecar.store.cursor_book import CursorBook
-from sidecar.store.cursors import fold_unblock, is_blocked, key_cursor, position_of, rules_of
+from sidecar.store.cursors import fold_skip_gap, fold_unblock, is_blocked, key_cursor, position_of, rules_of
 from sidecar.store.fencing import FenceSource, Finish, ShardWriter, Subscription
 from sidecar.store.flusher import CheckpointFlusher
 from sidecar.store.inbox import InboxListening, listen_inbox
@@ -275,6 +275,31 @@ class DocumentStore:
         if lost:
             raise ShardLost(sub.name, lost, sub.lost_at(lost))
         return position
+
+    async def skip_gap(
+        self,
+        subscription: str,
+        key: str,
+        first: int,
+        through: int,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> bool:
+        sub = self._sub(subscription)
+        async with sub.lock:
+            refused = sub.refused(epochs, {sub.shard(key)})
+            if refused:
+                raise ShardLost(sub.name, refused, refused)
+            current = sub.book.states.get(key)
+            state = current.copy() if current is not None else sub.book.rules.new_state(key)
+            if sub.book.mode != "sequence" or not fold_skip_gap(state, first, through):
+                return False
+            # Written now, like an unblock: the operator's answer waits for it.
+            lost = await self._writer.unblock(sub, state, now_ms)
+        if lost:
+            raise ShardLost(sub.name, lost, sub.lost_at(lost))
+        return True
 
     async def flush(self, subscription: str, shards: frozenset[int] | None = None) -> None:
         """Write every due dirty cursor and checkpoint now (the background task writes them a part at

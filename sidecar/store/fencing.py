@@ -220,8 +220,9 @@ class ShardWriter:
         return sorted(due, key=lambda shard: (written.get(shard, -1), shard))
 
     async def unblock(self, sub: Subscription, state: CursorState, now_ms: int) -> set[int]:
-        """Write the key's cursor (in its shard's checkpoint) now, whatever the coalescing interval;
-        returns the shards lost (the key's, when its fence failed: nothing written)."""
+        """Write the key's cursor (in its shard's checkpoint) now, whatever the coalescing interval
+        (an unblock, or an operator's gap skip); returns the shards lost (the key's, when its fence
+        failed: nothing written)."""
         shard = sub.shard(state.key)
         lost: set[int] = set()
         fences = self.acquire(sub, {shard}, lost)

@@ -56,7 +56,7 @@ from sidecar.store.recovery import restore_order
 _PENDING = "pending"
 _TERMINAL_STATES = frozenset({"acked", "dead_lettered", "dead_lettered_aside", "dropped"})
 _HOOKED_METHODS = frozenset(
-    {"persist", "commit_acks", "mark_done", "load", "pending_pages", "read_payloads", "unblock"}
+    {"persist", "commit_acks", "mark_done", "load", "pending_pages", "read_payloads", "unblock", "skip_gap"}
 )
 _PAGE_SIZE = 50
 """Messages per ``pending_pages`` page by default: small, so that runtime tests with a few hundred
@@ -231,6 +231,28 @@ class MemoryStore:
         (the runtime) asks only for a key the engine has blocked."""
         self._enter("unblock")
         return self._data(subscription).dead_lettered_at.pop(key, None)
+
+    async def skip_gap(
+        self,
+        subscription: str,
+        key: str,
+        first: int,
+        through: int,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> bool:
+        """The key's cursor moves past ``first..through``, which it remembers as skipped."""
+        self._enter("skip_gap")
+        data = self._data(subscription)
+        current = data.cursors.get(key, KeyCursor(key=key))
+        if current.next_sequence not in (None, first) or through < first:
+            return False
+        known_from = current.known_from if current.known_from is not None else first
+        data.cursors[key] = replace(
+            current, next_sequence=through + 1, known_from=known_from, skipped=(*current.skipped, (first, through))
+        )
+        return True
 
     async def load(
         self,

@@ -45,6 +45,18 @@ class TimedStore:
     ) -> object | None:
         return await self._inner.unblock(subscription, key, now_ms, epochs=epochs)
 
+    async def skip_gap(
+        self,
+        subscription: str,
+        key: str,
+        first: int,
+        through: int,
+        now_ms: int,
+        *,
+        epochs: Mapping[int, int] | None = None,
+    ) -> bool:
+        return await self._inner.skip_gap(subscription, key, first, through, now_ms, epochs=epochs)
+
     async def load(
         self,
         subscription: str,
