@@ -1,7 +1,8 @@
 """Every ``pubsub-sidecar`` subcommand: the argument parser (``main``) and one module per command.
 
 ``run`` starts the sidecar (``sidecar.wiring.app``) and ends with its exit code (``exit_codes``:
-the same codes for every command); ``status`` and ``unblock`` talk to a running sidecar over gRPC;
+the same codes for every command); ``status``, ``unblock`` and ``skip-gap`` talk to a running sidecar
+over gRPC (``refusals``: how the last two report a refusal);
 ``dead-letters`` reads and replays the waiting room in Pub/Sub; ``demo`` runs the emulators, the
 sidecar, a publisher and an app in one process.
 

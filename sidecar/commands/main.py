@@ -26,6 +26,7 @@ _COMMANDS: dict[str, str] = {
     "status": "sidecar.commands.status:run_command",
     "dead-letters": "sidecar.commands.dead_letters:run_command",
     "unblock": "sidecar.commands.unblock:run_command",
+    "skip-gap": "sidecar.commands.skip_gap:run_command",
     "bench": "bench.__main__:run_command",
 }
 
@@ -95,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     unblock.add_argument("--subscription", required=True, help="the subscription `name` from the sidecar's config")
     unblock.add_argument("--key", required=True, help="the blocked ordering key")
     unblock.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the sidecar (default 30)")
+
+    skip_gap = sub.add_parser("skip-gap", help="skip the missing sequences a key waits on (recorded durably)")
+    skip_gap.add_argument("--target", required=True, help="sidecar address, host:port or unix:///path")
+    skip_gap.add_argument("--subscription", required=True, help="the subscription `name` from the sidecar's config")
+    skip_gap.add_argument("--key", required=True, help="the ordering key that waits on a gap")
+    skip_gap.add_argument(
+        "--through",
+        required=True,
+        type=int,
+        help="the last missing sequence to skip (`status` prints the whole gap's)",
+    )
+    skip_gap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the sidecar (default 30)")
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
     bench.add_argument("--quick", action="store_true")

@@ -10,6 +10,11 @@ Rules this module keeps:
   that wait, with what they wait for, since when and for how long (G4: nothing waits silently).
   When the sidecar's per-key detail is cut at ``max_keys``, the table says how many waiting keys it
   does not show.
+- Every stuck key comes with the command that frees it (``free_with``), built from the target and
+  the subscription the report is about: a key stopped at a dead letter gets ``pubsub-sidecar
+  unblock`` (refused, saying so, while its dead letter is still being published); a key waiting on
+  a gap gets ``pubsub-sidecar skip-gap`` with ``--through`` its last missing sequence. Other keys
+  free themselves (``null``). The table lists these commands under the waiting keys.
 - Any failure to get an answer (sidecar unreachable, timeout, unknown subscription) is one line on
   stderr and exit code 1, never a traceback.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -98,7 +104,18 @@ def _ordered_counts(counts: dict[str, int]) -> dict[str, int]:
     return {name: counts[name] for name in [*known, *others]}
 
 
-def key_to_dict(key: sidecar_pb2.KeyStatus, now: datetime) -> dict[str, Any]:
+def free_with(key: sidecar_pb2.KeyStatus, target: str, subscription: str) -> str | None:
+    """The command line that frees ``key`` when only an operator can (module docstring), else None."""
+    where = ["--target", shlex.quote(target or "ADDR"), "--subscription", shlex.quote(subscription)]
+    where += ["--key", shlex.quote(key.key)]
+    if key.state == "blocked_dead_letter":
+        return " ".join(["pubsub-sidecar", "unblock", *where])
+    if key.state == "waiting_sequence" and key.HasField("last_missing_sequence"):
+        return " ".join(["pubsub-sidecar", "skip-gap", *where, "--through", str(key.last_missing_sequence)])
+    return None
+
+
+def key_to_dict(key: sidecar_pb2.KeyStatus, now: datetime, target: str = "", subscription: str = "") -> dict[str, Any]:
     since = _timestamp(key, "since")
     return {
         "key": key.key,
@@ -110,10 +127,12 @@ def key_to_dict(key: sidecar_pb2.KeyStatus, now: datetime) -> dict[str, Any]:
         "in_flight": key.in_flight,
         "next_sequence": _optional_int(key, "next_sequence"),
         "missing_sequence": _optional_int(key, "missing_sequence"),
+        "last_missing_sequence": _optional_int(key, "last_missing_sequence"),
+        "free_with": free_with(key, target, subscription),
     }
 
 
-def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime) -> dict[str, Any]:
+def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime, target: str = "") -> dict[str, Any]:
     watermark = _timestamp(sub, "watermark")
     return {
         "name": sub.name,
@@ -127,7 +146,7 @@ def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime) -> 
         "watermark": _rfc3339(watermark) if watermark is not None else None,
         "watermark_lag_seconds": _seconds(sub, "watermark_lag"),
         "counts": _ordered_counts(dict(sub.counts)),
-        "keys_detail": [key_to_dict(key, now) for key in sub.keys_detail],
+        "keys_detail": [key_to_dict(key, now, target, sub.name) for key in sub.keys_detail],
         "pod": sub.pod,
         "shard_count": sub.shard_count,
         "shards": [{"shard": shard.shard, "epoch": shard.epoch} for shard in sub.shards],
@@ -140,7 +159,7 @@ def status_to_dict(response: sidecar_pb2.GetStatusResponse, now: datetime, targe
     return {
         "target": target,
         "generated_at": _rfc3339(now),
-        "subscriptions": [subscription_to_dict(sub, now) for sub in response.subscriptions],
+        "subscriptions": [subscription_to_dict(sub, now, target) for sub in response.subscriptions],
     }
 
 
@@ -237,6 +256,10 @@ def _subscription_details(sub: dict[str, Any]) -> list[str]:
     hidden = sub["keys_blocked"] - len(waiting)
     if hidden > 0:
         lines.append(f"    ... and {hidden} more waiting keys not shown")
+    commands = [key["free_with"] for key in waiting if key["free_with"]]
+    if commands:
+        lines.append("  to free a stuck key:")
+        lines.extend(f"    {command}" for command in commands)
     return lines
 
 

@@ -19,9 +19,8 @@ from datetime import UTC
 import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
-from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-
-_USAGE_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND})
+from sidecar.commands.exit_codes import EXIT_OK, EXIT_USAGE
+from sidecar.commands.refusals import refusal
 
 
 async def unblock(target: str, subscription: str, key: str, timeout_seconds: float) -> sidecar_pb2.UnblockKeyResponse:
@@ -55,14 +54,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         response = asyncio.run(unblock(args.target, args.subscription, args.key, args.timeout))
     except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = " ".join(((exc.details() if hasattr(exc, "details") else None) or "").split())
-        name = code.name if isinstance(code, grpc.StatusCode) else "ERROR"
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and "store" not in details:
-            reason = f"cannot reach the sidecar at {args.target}"
-        else:
-            reason = f"the sidecar at {args.target} refused"
-        print(f"pubsub-sidecar unblock: {reason}: {name}: {details}", file=sys.stderr)
-        return EXIT_USAGE if code in _USAGE_CODES else EXIT_FAILED
+        line, code = refusal("unblock", args.target, exc)
+        print(line, file=sys.stderr)
+        return code
     print(describe(response, args.subscription, args.key))
     return EXIT_OK

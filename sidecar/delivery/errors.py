@@ -5,7 +5,8 @@ Rules:
 - Every method of the servicer ends a failed call through ``abort``, which takes the code and the
   details from ``status_for``: no other module picks a status code for an error.
 - A mapped error (``BadRequest``: INVALID_ARGUMENT; ``UnknownSubscription``: NOT_FOUND;
-  ``SubscriptionUnavailable``: UNAVAILABLE; ``KeyNotBlocked``, ``NotOwner``: FAILED_PRECONDITION) is
+  ``SubscriptionUnavailable``: UNAVAILABLE; ``KeyNotBlocked``, ``KeyNotWaitingOnGap``, ``NotOwner``:
+  FAILED_PRECONDITION; ``SkipOutOfRange``: INVALID_ARGUMENT) is
   logged at INFO without a traceback. Anything else is a bug of ours: INTERNAL, logged at ERROR with
   its traceback, and only the exception's type name reaches the client.
 - A ``StoreError`` answers UNAVAILABLE "it may have applied": the store did not confirm the write;
@@ -25,12 +26,19 @@ import grpc
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.delivery.handlers import Undecodable
 from sidecar.engine.dead_letters import KeyNotBlocked
+from sidecar.engine.gap_skip import KeyNotWaitingOnGap, SkipOutOfRange
 from sidecar.pipeline.runtime_context import NotOwner, SubscriptionUnavailable
 from sidecar.store.api import StoreError
 
 _LOGGER = logging.getLogger(__name__)
 
-_M = TypeVar("_M", sidecar_pb2.SubscribeRequest, sidecar_pb2.GetStatusRequest, sidecar_pb2.UnblockKeyRequest)
+_M = TypeVar(
+    "_M",
+    sidecar_pb2.SubscribeRequest,
+    sidecar_pb2.GetStatusRequest,
+    sidecar_pb2.UnblockKeyRequest,
+    sidecar_pb2.SkipGapRequest,
+)
 
 _MAX_ECHO_CHARS = 100
 """Client input quoted in an error message is cut to this. The message travels in a header, and
@@ -70,6 +78,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, KeyNotBlocked):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key is not blocked"
+    if isinstance(exc, KeyNotWaitingOnGap):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key does not wait on a gap"
+    if isinstance(exc, SkipOutOfRange):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc.args[0]) if exc.args else "through is out of range"
     if isinstance(exc, NotOwner):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]) if exc.args else "key owned by another pod"
     if isinstance(exc, StoreError):

@@ -53,6 +53,8 @@ class _Servicer(Protocol):
 
     async def UnblockKey(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
 
+    async def SkipGap(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+
 
 def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """What ``add_OrderedDeliveryServicer_to_server`` registers, with the decoders above."""
@@ -73,6 +75,11 @@ def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.UnblockKey,
                 request_deserializer=_decoder(sidecar_pb2.UnblockKeyRequest),
                 response_serializer=sidecar_pb2.UnblockKeyResponse.SerializeToString,
+            ),
+            "SkipGap": grpc.unary_unary_rpc_method_handler(
+                servicer.SkipGap,
+                request_deserializer=_decoder(sidecar_pb2.SkipGapRequest),
+                response_serializer=sidecar_pb2.SkipGapResponse.SerializeToString,
             ),
         },
     )

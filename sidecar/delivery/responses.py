@@ -1,4 +1,5 @@
-"""Engine types to protobuf: the Subscribe responses, a subscription's GetStatus entry, UnblockKey's answer.
+"""Engine types to protobuf: the Subscribe responses, a subscription's GetStatus entry, UnblockKey's and
+SkipGap's answers.
 
 The only module that turns engine types into ``pubsub_sidecar.v1`` messages. Rules:
 
@@ -16,7 +17,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.engine.payloads import attributes_text
-from sidecar.engine.types import Deliver, EngineStatus, KeyStatus
+from sidecar.engine.types import Deliver, EngineStatus, KeyStatus, SkippedRange
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.pipeline.runtime_actions import Unblocked
 
@@ -143,6 +144,8 @@ def subscription_status(
             detail.next_sequence = key.next_sequence
         if key.missing_sequence is not None:
             detail.missing_sequence = key.missing_sequence
+        if key.last_missing_sequence is not None:
+            detail.last_missing_sequence = key.last_missing_sequence
         if key.blocked_message_id:
             detail.blocked_message_id = key.blocked_message_id
         if key.blocked_sequence is not None:
@@ -158,3 +161,8 @@ def unblock_response(unblocked: Unblocked) -> sidecar_pb2.UnblockKeyResponse:
     elif isinstance(unblocked.position, tuple):
         response.skipped_timestamp.CopyFrom(_timestamp(int(unblocked.position[0])))
     return response
+
+
+def skip_gap_response(skipped: SkippedRange) -> sidecar_pb2.SkipGapResponse:
+    """What SkipGap answers: the range of missing sequences skipped."""
+    return sidecar_pb2.SkipGapResponse(skipped_from=skipped.first, skipped_through=skipped.last)

@@ -1,4 +1,5 @@
-"""The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams, GetStatus, UnblockKey.
+"""The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams, GetStatus, UnblockKey,
+SkipGap.
 
 Rules:
 
@@ -12,7 +13,8 @@ Rules:
 - However a stream ends (client gone, cancel, deadline, error), ``consumer_closed`` runs in a
   ``finally`` so its in-flight messages are redelivered at once.
 - GetStatus answers for one subscription or all of them, with at most ``MAX_STATUS_KEYS`` keys of
-  detail each; UnblockKey records the skip durably (``SubscriptionRuntime.unblock``) before it answers.
+  detail each; UnblockKey records the skip durably (``SubscriptionRuntime.unblock``) before it answers,
+  and so does SkipGap (``SubscriptionRuntime.skip_gap``).
 - Domain errors map to gRPC status codes in one place: ``sidecar.delivery.errors``.
 """
 
@@ -28,7 +30,7 @@ import grpc
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery import subscribe
 from sidecar.delivery.errors import BadRequest, UnknownSubscription, abort, decoded, quote
-from sidecar.delivery.responses import subscription_status, unblock_response
+from sidecar.delivery.responses import skip_gap_response, subscription_status, unblock_response
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
 from sidecar.engine.dead_letters import KeyNotBlocked
 from sidecar.pipeline.runtime import SubscriptionRuntime
@@ -47,7 +49,7 @@ MAX_STATUS_KEYS = 10_000
 
 
 class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
-    """Serves Subscribe, GetStatus and UnblockKey over ``{subscription name: SubscriptionRuntime}``."""
+    """Serves Subscribe, GetStatus, UnblockKey and SkipGap over ``{subscription name: SubscriptionRuntime}``."""
 
     def __init__(
         self,
@@ -182,6 +184,23 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                                     "blocked by a dead letter (unknown, running, or its dead letter is still "
                                     "being published)") from exc  # fmt: skip
             return unblock_response(unblocked)
+        except Exception as exc:
+            await abort(context, exc)
+            raise  # unreachable: abort raises
+
+    # ---- SkipGap ---------------------------------------------------------------------------
+
+    async def SkipGap(
+        self, request: sidecar_pb2.SkipGapRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.SkipGapResponse:
+        try:
+            request = decoded(request)
+            runtime = self._runtime(request.subscription, field="subscription")
+            if not request.key:
+                raise BadRequest("key is required: the ordering key that waits on a gap")
+            if not runtime.is_ready:
+                raise SubscriptionUnavailable(runtime.unavailable_reason())
+            return skip_gap_response(await runtime.skip_gap(request.key, request.through))
         except Exception as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises

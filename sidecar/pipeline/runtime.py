@@ -11,7 +11,7 @@ wiring use; it owns the lifecycle and hands each job to a part of its own, which
 - ``runtime_fast_path``: sequence mode's in-order fast path, and settling its messages with Pub/Sub.
 - ``runtime_acks``: acks group-committed, confirmed only once durable (G3).
 - ``runtime_actions``: dead letters (published, then recorded, G1), dropped duplicates, an
-  operator's unblock.
+  operator's unblock or gap skip.
 - ``runtime_shards``: shard adoption, drain and loss (one engine per owned shard, ``shard_engines``).
 - ``runtime_delivery``: take, read back stripped payloads, accept acks and nacks.
 - ``runtime_wakeups``: streams woken when messages are ready, and the one timer task.
@@ -42,7 +42,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from sidecar.engine.types import Action, Deliver, EngineConfig, EngineStatus, KeyStatus, Message
+from sidecar.engine.types import Action, Deliver, EngineConfig, EngineStatus, KeyStatus, Message, SkippedRange
 from sidecar.pipeline.runtime_acks import AckPipeline, AckResult, AckTicket
 from sidecar.pipeline.runtime_actions import DeadLetterSink, EngineActions, Unblocked
 from sidecar.pipeline.runtime_context import RuntimeContext, RuntimeCounters, SubscriptionUnavailable, first_cause
@@ -443,6 +443,12 @@ class SubscriptionRuntime:
         when the key is not blocked, NotOwner when another pod delivers it, StoreError when the
         store cannot record it (nothing changed)."""
         return await self._actions.unblock(key)
+
+    async def skip_gap(self, key: str, through: int) -> SkippedRange:
+        """An operator skips the missing sequences ``key`` waits on, up to ``through``: recorded in the
+        store first, then the engine releases what follows (``EngineActions.skip_gap``). Raises
+        KeyNotWaitingOnGap or SkipOutOfRange, NotOwner, StoreError (nothing changed)."""
+        return await self._actions.skip_gap(key, through)
 
     # ---- the hooks the parts tell each other by (RuntimeContext) ---------------------------
 

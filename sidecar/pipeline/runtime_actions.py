@@ -1,5 +1,5 @@
 """The engine's actions other than deliveries, carried out: dead letters, dropped duplicates, holds;
-and an operator's unblock of a key a dead letter blocks.
+an operator's unblock of a key a dead letter blocks, and an operator's skip of a key's gap.
 
 Rules:
 
@@ -19,6 +19,12 @@ Rules:
   meanwhile goes to ``shard_lost`` (the next owner finds the record pending and decides again).
 - An unblock is recorded in the store first (a restart keeps it), then the engine delivers the
   key's next messages; one unblock at a time.
+- A gap skip is checked by the engine (``Engine.missing_range``), recorded in the store (the key's
+  cursor moves past the range, remembered as skipped), then applied by the engine; one operator
+  action at a time (the unblock's lock). A missing sequence that arrives while the skip is being
+  recorded fills the gap: the engine then delivers it in order, and the store counts it as skipped
+  until its ack is durable (``fold_ack`` takes it out); after a restart before that ack it is
+  dead-lettered ``late``, never lost (G1) nor delivered after a later one (G2).
 - Deliveries come only from the runtime's ``take``: an engine returning one anywhere else is a bug.
 """
 
@@ -31,7 +37,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.engine.dead_letters import REASON_BELOW_CURSOR, KeyNotBlocked
-from sidecar.engine.types import Action, DeadLetter, DropDuplicate, Hold, Message
+from sidecar.engine.gap_skip import KeyNotWaitingOnGap
+from sidecar.engine.types import Action, DeadLetter, DropDuplicate, Hold, Message, SkippedRange
 from sidecar.pipeline.runtime_context import NotOwner, RuntimeContext, retry_backoff_seconds
 from sidecar.pipeline.shard_engines import ShardEngine
 from sidecar.store.api import DEAD_LETTERED, DEAD_LETTERED_ASIDE, DROPPED, ShardLost, StoreError, StoreRejected
@@ -191,12 +198,7 @@ class EngineActions:
         ctx = self._ctx
         ctx.require_recovered()
         async with self._unblock_lock:  # one at a time: the second of two sees the key running
-            entry = ctx.engines.for_key(key)
-            if entry is None:
-                raise NotOwner(
-                    f"key {key!r} of subscription {ctx.name!r} is delivered by another pod "
-                    f"(shard {ctx.engines.route(key)} is not owned here); ask that pod"
-                )
+            entry = self._owned(key)
             if not entry.engine.is_blocked(key):
                 raise KeyNotBlocked(f"key {key!r} of subscription {ctx.name!r} is not blocked by a dead letter")
             try:
@@ -218,3 +220,61 @@ class EngineActions:
         )
         ctx.after_change()
         return Unblocked(key, position, message.message_id if message is not None else None)
+
+    async def skip_gap(self, key: str, through: int) -> SkippedRange:
+        """An operator skips the missing sequences ``key`` waits on, up to ``through``: recorded in the
+        store first (a restart keeps it), then the engine releases what follows. Raises
+        KeyNotWaitingOnGap or SkipOutOfRange (nothing changed), NotOwner when another pod delivers
+        the key, StoreError when the store cannot record it (nothing changed)."""
+        ctx = self._ctx
+        ctx.require_recovered()
+        async with self._unblock_lock:  # one operator action at a time
+            entry = self._owned(key)
+            skipped = entry.engine.missing_range(key, through)
+            try:
+                recorded = await ctx.store.skip_gap(
+                    ctx.name,
+                    key,
+                    skipped.first,
+                    skipped.last,
+                    ctx.clock(),
+                    epochs=ctx.fenced({entry.shard: entry.epoch}),
+                )
+            except ShardLost as exc:
+                ctx.shard_lost(exc)
+                raise
+            if not recorded:
+                raise KeyNotWaitingOnGap(
+                    f"key {key!r} of subscription {ctx.name!r} waits on sequence {skipped.first}, but the store's "
+                    "cursor is not there yet (an ack is still being recorded): retry"
+                )
+            if not ctx.current(entry):
+                raise NotOwner(f"key {key!r} of subscription {ctx.name!r}: its shard was handed over meanwhile")
+            try:
+                entry.engine.skip_gap(key, through, ctx.clock())
+            except (KeyNotWaitingOnGap, ValueError):
+                # The gap filled while the store recorded the skip (module docstring): kept as recorded.
+                _LOGGER.warning(
+                    "subscription %s: a missing sequence of the key arrived while its gap skip was recorded",
+                    ctx.name,
+                    extra={"subscription": ctx.name, "key": key},
+                )
+        _LOGGER.warning(
+            "subscription %s: gap skipped by an operator: sequences %d to %d",
+            ctx.name,
+            skipped.first,
+            skipped.last,
+            extra={"subscription": ctx.name, "key": key},
+        )
+        ctx.after_change()
+        return skipped
+
+    def _owned(self, key: str) -> ShardEngine:
+        entry = self._ctx.engines.for_key(key)
+        if entry is None:
+            ctx = self._ctx
+            raise NotOwner(
+                f"key {key!r} of subscription {ctx.name!r} is delivered by another pod "
+                f"(shard {ctx.engines.route(key)} is not owned here); ask that pod"
+            )
+        return entry

@@ -33,7 +33,7 @@ SUBSCRIPTION_FIELDS = [
 ]  # fmt: skip
 KEY_FIELDS = [
     "key", "state", "waiting_for", "since", "age_seconds", "buffered", "in_flight", "next_sequence",
-    "missing_sequence",
+    "missing_sequence", "last_missing_sequence", "free_with",
 ]  # fmt: skip
 
 
@@ -73,6 +73,7 @@ def sample_response(*, keys_blocked_orders: int = 2) -> sidecar_pb2.GetStatusRes
                 buffered=4,
                 next_sequence=3,
                 missing_sequence=3,
+                last_missing_sequence=4,
             ),
             sidecar_pb2.KeyStatus(
                 key="order-9",
@@ -138,9 +139,15 @@ def test_json_document_has_stable_field_names_and_converted_values() -> None:
         "in_flight": 0,
         "next_sequence": 3,
         "missing_sequence": 3,
+        "last_missing_sequence": 4,
+        "free_with": (
+            "pubsub-sidecar skip-gap --target 127.0.0.1:50051 --subscription orders --key order-7 --through 4"
+        ),
     }
     # proto3 `optional`: unset is null, not 0.
-    assert dead["missing_sequence"] is None
+    assert dead["missing_sequence"] is None and dead["last_missing_sequence"] is None
+    assert dead["free_with"] == "pubsub-sidecar unblock --target 127.0.0.1:50051 --subscription orders --key order-9"
+    assert busy["free_with"] is None
     assert busy["since"] is None and busy["age_seconds"] is None
     assert prices["watermark"] == "2026-05-01T11:57:00.000Z"
     assert prices["watermark_lag_seconds"] == 180.0
@@ -185,6 +192,37 @@ def test_table_lists_waiting_keys_with_what_they_wait_for_and_since_when() -> No
     assert "blocked_dead_letter" in dead_row and "42s" in dead_row
     # A key that is merely in flight does not wait: not in the waiting list.
     assert "order-1" not in section
+
+
+def test_table_names_the_command_that_frees_each_stuck_key_with_the_target_given() -> None:
+    text = format_table(sample_response(), NOW, target="10.0.0.7:50051")
+    section = text.split("\norders:\n", 1)[1].split("\nprices:\n", 1)[0]
+    assert section.splitlines()[-3:] == [
+        "  to free a stuck key:",
+        "    pubsub-sidecar skip-gap --target 10.0.0.7:50051 --subscription orders --key order-7 --through 4",
+        "    pubsub-sidecar unblock --target 10.0.0.7:50051 --subscription orders --key order-9",
+    ]
+
+
+def test_a_key_that_needs_shell_quoting_is_quoted_in_its_command() -> None:
+    response = sidecar_pb2.GetStatusResponse(
+        subscriptions=[
+            sidecar_pb2.SubscriptionStatus(
+                name="orders",
+                mode="sequence",
+                keys_blocked=1,
+                keys_detail=[
+                    sidecar_pb2.KeyStatus(
+                        key="it's $HOME", state="waiting_sequence", missing_sequence=2, last_missing_sequence=2
+                    )
+                ],
+            )
+        ]
+    )
+    (key,) = status_to_dict(response, NOW, "unix:///run/s.sock")["subscriptions"][0]["keys_detail"]
+    assert key["free_with"] == (
+        "pubsub-sidecar skip-gap --target unix:///run/s.sock --subscription orders --key 'it'\"'\"'s $HOME' --through 2"
+    )
 
 
 def test_table_says_how_many_waiting_keys_the_detail_left_out() -> None:
@@ -261,7 +299,10 @@ async def test_status_of_a_running_sidecar_shows_the_key_behind_a_gap(sidecar_wi
     assert (orders["buffered"], orders["keys"], orders["keys_blocked"]) == (3, 2, 1)
     keys = {key["key"]: key for key in orders["keys_detail"]}
     assert keys["a"]["state"] == "waiting_sequence"
-    assert keys["a"]["missing_sequence"] == 1
+    assert (keys["a"]["missing_sequence"], keys["a"]["last_missing_sequence"]) == (1, 1)
+    assert keys["a"]["free_with"] == (
+        f"pubsub-sidecar skip-gap --target {sidecar_with_a_gap} --subscription orders --key a --through 1"
+    )
     assert keys["a"]["buffered"] == 2
     assert keys["b"]["state"] == "ready"
 

@@ -165,7 +165,7 @@ class ShardStatus(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KeyStatus(_message.Message):
-    __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence", "blocked_message_id", "blocked_sequence")
+    __slots__ = ("key", "state", "waiting_for", "since", "buffered", "in_flight", "next_sequence", "missing_sequence", "blocked_message_id", "blocked_sequence", "last_missing_sequence")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class KeyStatus(_message.Message):
     MISSING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_MISSING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     key: str
     state: str
     waiting_for: str
@@ -186,7 +187,8 @@ class KeyStatus(_message.Message):
     missing_sequence: int
     blocked_message_id: str
     blocked_sequence: int
-    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., buffered: _Optional[int] = ..., in_flight: _Optional[int] = ..., next_sequence: _Optional[int] = ..., missing_sequence: _Optional[int] = ..., blocked_message_id: _Optional[str] = ..., blocked_sequence: _Optional[int] = ...) -> None: ...
+    last_missing_sequence: int
+    def __init__(self, key: _Optional[str] = ..., state: _Optional[str] = ..., waiting_for: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., buffered: _Optional[int] = ..., in_flight: _Optional[int] = ..., next_sequence: _Optional[int] = ..., missing_sequence: _Optional[int] = ..., blocked_message_id: _Optional[str] = ..., blocked_sequence: _Optional[int] = ..., last_missing_sequence: _Optional[int] = ...) -> None: ...
 
 class UnblockKeyRequest(_message.Message):
     __slots__ = ("subscription", "key")
@@ -205,3 +207,21 @@ class UnblockKeyResponse(_message.Message):
     skipped_timestamp: _timestamp_pb2.Timestamp
     skipped_message_id: str
     def __init__(self, skipped_sequence: _Optional[int] = ..., skipped_timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., skipped_message_id: _Optional[str] = ...) -> None: ...
+
+class SkipGapRequest(_message.Message):
+    __slots__ = ("subscription", "key", "through")
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_FIELD_NUMBER: _ClassVar[int]
+    subscription: str
+    key: str
+    through: int
+    def __init__(self, subscription: _Optional[str] = ..., key: _Optional[str] = ..., through: _Optional[int] = ...) -> None: ...
+
+class SkipGapResponse(_message.Message):
+    __slots__ = ("skipped_from", "skipped_through")
+    SKIPPED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    skipped_from: int
+    skipped_through: int
+    def __init__(self, skipped_from: _Optional[int] = ..., skipped_through: _Optional[int] = ...) -> None: ...

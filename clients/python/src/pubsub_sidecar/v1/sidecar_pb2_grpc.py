@@ -50,6 +50,11 @@ class OrderedDeliveryStub:
                 request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.SerializeToString,
                 response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.FromString,
                 _registered_method=True)
+        self.SkipGap = channel.unary_unary(
+                '/pubsub_sidecar.v1.OrderedDelivery/SkipGap',
+                request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.SerializeToString,
+                response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.FromString,
+                _registered_method=True)
 
 
 class OrderedDeliveryServicer:
@@ -112,6 +117,25 @@ class OrderedDeliveryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SkipGap(self, request, context):
+        """Operator action, sequence mode: skip the missing sequences a key waits on (a gap
+        that no `gap_timeout` skips), from the first missing one through `through`, as a
+        gap timeout's skip would: a skipped sequence that arrives later is late
+        (`on_late`). Recorded durably before the answer: after a restart the key's cursor
+        is past the range. The key's messages after it are then delivered in order.
+        `pubsub-sidecar skip-gap` calls this. NOT_FOUND for an unknown subscription;
+        FAILED_PRECONDITION when the key does not wait on a gap (the details name what it
+        waits on instead: a dead letter, acks of messages before the gap, nothing), or
+        when another pod delivers it; INVALID_ARGUMENT for an empty subscription or key,
+        or a `through` outside the missing range (the details name the range: from
+        `missing_sequence` to `last_missing_sequence` of the key's status; a sequence the
+        key holds is not missing and is never skipped); UNAVAILABLE when the store did not
+        confirm the record (it may have applied): retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrderedDeliveryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +153,11 @@ def add_OrderedDeliveryServicer_to_server(servicer, server):
                     servicer.UnblockKey,
                     request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.FromString,
                     response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.SerializeToString,
+            ),
+            'SkipGap': grpc.unary_unary_rpc_method_handler(
+                    servicer.SkipGap,
+                    request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.FromString,
+                    response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -213,6 +242,33 @@ class OrderedDelivery:
             '/pubsub_sidecar.v1.OrderedDelivery/UnblockKey',
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyRequest.SerializeToString,
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.UnblockKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SkipGap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pubsub_sidecar.v1.OrderedDelivery/SkipGap',
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.SerializeToString,
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.FromString,
             options,
             channel_credentials,
             insecure,
