@@ -86,11 +86,7 @@ def stale_files(out_root: Path = OUT_ROOT) -> list[str]:
         tmp_dir = Path(tmp)
         fresh = set(generate(tmp_dir))
         committed = (
-            {
-                p.relative_to(out_root)
-                for p in committed_root.rglob("*")
-                if p.is_file() and "__pycache__" not in p.parts
-            }
+            {p.relative_to(out_root) for p in committed_root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
             if committed_root.is_dir()
             else set()
         )

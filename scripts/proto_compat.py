@@ -189,9 +189,7 @@ def _enum_changes(
     return problems
 
 
-def breaking_changes(
-    old: descriptor_pb2.FileDescriptorSet, new: descriptor_pb2.FileDescriptorSet
-) -> list[str]:
+def breaking_changes(old: descriptor_pb2.FileDescriptorSet, new: descriptor_pb2.FileDescriptorSet) -> list[str]:
     """Every change from ``old`` to ``new`` that breaks a client built on ``old``, one line each."""
     before, after = _Index(old), _Index(new)
     problems: list[str] = []

@@ -29,7 +29,6 @@ class _Sink:
         self.published.append((message.message_id, reason))
 
 
-
 @dataclass
 class Sidecar:
     address: str

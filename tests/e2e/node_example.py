@@ -50,9 +50,7 @@ class NodeApp:
             node, "subscriber.js", "--json", "--target", target, "--subscription", subscription,
             "--backoff-initial-ms", "50", "--backoff-max-ms", "500",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(
-            cmd, cwd=EXAMPLE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        self._proc = subprocess.Popen(cmd, cwd=EXAMPLE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._out = OutputPump(self._proc.stdout)
         self._err = OutputPump(self._proc.stderr)
 

@@ -65,8 +65,9 @@ async def test_a_blocked_key_is_listed_unblocked_after_the_fix_and_a_discard_is_
         "a": (2, "max_delivery_attempts", 2, "orders"),
         "c": (1, "max_delivery_attempts", 2, "orders"),
     }
-    assert rows(await command(scenario, "dead-letters", "list", *dl, "--json", "--key", "a"))[0]["message_id"] == (
-        listed["a"]["message_id"]
+    assert (
+        rows(await command(scenario, "dead-letters", "list", *dl, "--json", "--key", "a"))[0]["message_id"]
+        == (listed["a"]["message_id"])
     )
 
     # status and the alarm: both keys stopped, each at its dead letter.

@@ -52,9 +52,7 @@ class FlakyApp:
         """(key, sequence, replayed flag, carries a replay marker)."""
 
     def __call__(self, message: Message) -> str:
-        self.seen.append(
-            (message.key, message.sequence, message.replayed, "sidecar_replay_id" in message.attributes)
-        )
+        self.seen.append((message.key, message.sequence, message.replayed, "sidecar_replay_id" in message.attributes))
         return "nack" if (message.key, message.sequence) in self.broken else "ack"
 
     def of(self, key: str) -> list[tuple[int, bool, bool]]:

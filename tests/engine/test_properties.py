@@ -24,15 +24,45 @@ PROPERTY_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-_OPS = ["store", "store", "store", "take", "take", "ack", "ack", "durable", "nack", "nack_dl", "expire", "close",
-        "tick", "watermark", "dl_done", "crash"]
+_OPS = [
+    "store",
+    "store",
+    "store",
+    "take",
+    "take",
+    "ack",
+    "ack",
+    "durable",
+    "nack",
+    "nack_dl",
+    "expire",
+    "close",
+    "tick",
+    "watermark",
+    "dl_done",
+    "crash",
+]
 _REPLAY_OPS = [*_OPS, "replay", "replay"]
 _PAGED_OPS = [*_OPS, "crash", "page", "page", "page"]
 """Recovery by pages (``Harness.pages``): crashes more often, and pages restored between any two steps."""
 """With an operator replaying dead letters (a kept list of its own: the other tests' op sequences, and
 so their derandomized examples, stay as they were)."""
-_REWIND_OPS = ["late", "copy", "take", "take", "ack", "ack", "durable", "durable_some", "nack_now", "nack_now",
-               "expire", "tick", "close", "dl_done"]
+_REWIND_OPS = [
+    "late",
+    "copy",
+    "take",
+    "take",
+    "ack",
+    "ack",
+    "durable",
+    "durable_some",
+    "nack_now",
+    "nack_now",
+    "expire",
+    "tick",
+    "close",
+    "dl_done",
+]
 """Gap skips, late arrivals and rewinds together: messages held back until their gap may have been
 skipped (``late``), copies of anything stored before (``copy``), nacks that rewind at once, acks made
 durable a few at a time and in any order (``durable_some``)."""
@@ -160,10 +190,30 @@ def _run(
 # Found by wider sampling of gap skips with crashes: a late message pending at a crash is
 # dead-lettered below the restored cursor (the model must count that dead letter); a nack's rewind
 # below a late message that waits in the late queue (the engine counted it twice: IndexError).
-@example(seed=14, keys=1, per_key=5, max_in_flight=1, attempts=3, gap=(0, "skip"), on_late="deliver",
-         on_dead_letter="block", drop_rate=0.2, steps=77)
-@example(seed=2253, keys=2, per_key=7, max_in_flight=3, attempts=4, gap=(30, "skip"), on_late="deliver",
-         on_dead_letter="block", drop_rate=0.0, steps=65)
+@example(
+    seed=14,
+    keys=1,
+    per_key=5,
+    max_in_flight=1,
+    attempts=3,
+    gap=(0, "skip"),
+    on_late="deliver",
+    on_dead_letter="block",
+    drop_rate=0.2,
+    steps=77,
+)
+@example(
+    seed=2253,
+    keys=2,
+    per_key=7,
+    max_in_flight=3,
+    attempts=4,
+    gap=(30, "skip"),
+    on_late="deliver",
+    on_dead_letter="block",
+    drop_rate=0.0,
+    steps=65,
+)
 def test_sequence_mode_keeps_order_dedup_and_loses_nothing(
     seed, keys, per_key, max_in_flight, attempts, gap, on_late, on_dead_letter, drop_rate, steps
 ) -> None:
@@ -201,14 +251,50 @@ def test_sequence_mode_keeps_order_dedup_and_loses_nothing(
 # again in order, unflagged (G3). A skipped sequence arriving after a rewind, handed out in order
 # after the message that reported it skipped (G2). Rewinds over a skipped range: skipped again and
 # again, so that copies of its messages were late, and delivered, once per skip (G3).
-@example(seed=58, keys=1, per_key=3, max_in_flight=1, attempts=3, gap_timeout_ms=0, on_dead_letter="block",
-         late_rate=0.5, steps=40)
-@example(seed=1139, keys=1, per_key=7, max_in_flight=2, attempts=3, gap_timeout_ms=0, on_dead_letter="skip",
-         late_rate=0.5, steps=40)
-@example(seed=999, keys=1, per_key=7, max_in_flight=2, attempts=3, gap_timeout_ms=0, on_dead_letter="block",
-         late_rate=0.5, steps=40)
-@example(seed=2, keys=1, per_key=7, max_in_flight=1, attempts=3, gap_timeout_ms=0, on_dead_letter="block",
-         late_rate=0.3, steps=72)
+@example(
+    seed=58,
+    keys=1,
+    per_key=3,
+    max_in_flight=1,
+    attempts=3,
+    gap_timeout_ms=0,
+    on_dead_letter="block",
+    late_rate=0.5,
+    steps=40,
+)
+@example(
+    seed=1139,
+    keys=1,
+    per_key=7,
+    max_in_flight=2,
+    attempts=3,
+    gap_timeout_ms=0,
+    on_dead_letter="skip",
+    late_rate=0.5,
+    steps=40,
+)
+@example(
+    seed=999,
+    keys=1,
+    per_key=7,
+    max_in_flight=2,
+    attempts=3,
+    gap_timeout_ms=0,
+    on_dead_letter="block",
+    late_rate=0.5,
+    steps=40,
+)
+@example(
+    seed=2,
+    keys=1,
+    per_key=7,
+    max_in_flight=1,
+    attempts=3,
+    gap_timeout_ms=0,
+    on_dead_letter="block",
+    late_rate=0.3,
+    steps=72,
+)
 def test_sequence_mode_skips_late_arrivals_and_rewinds_keep_the_guarantees(
     seed, keys, per_key, max_in_flight, attempts, gap_timeout_ms, on_dead_letter, late_rate, steps
 ) -> None:
@@ -426,8 +512,13 @@ def test_watermark_mode_recovered_by_pages_keeps_the_guarantees(
 ) -> None:
     rng = random.Random(seed)
     config = _config("watermark", max_in_flight_per_key=max_in_flight, max_delivery_attempts=attempts, on_late=on_late)
-    _run(Harness(config, pages=random.Random(seed + 1)), _watermark_stream(rng, keys, per_key, 0.3), rng, steps,
-         _PAGED_OPS)
+    _run(
+        Harness(config, pages=random.Random(seed + 1)),
+        _watermark_stream(rng, keys, per_key, 0.3),
+        rng,
+        steps,
+        _PAGED_OPS,
+    )
 
 
 @PROPERTY_SETTINGS

@@ -20,8 +20,9 @@ _KEYS = ("a", "b", "c")
 class EngineVersusModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.config = EngineConfig(mode="sequence", max_delivery_attempts=1000, backoff_initial_ms=0,
-                                   backoff_maximum_ms=0)
+        self.config = EngineConfig(
+            mode="sequence", max_delivery_attempts=1000, backoff_initial_ms=0, backoff_maximum_ms=0
+        )
         self.engine = Engine(self.config)
         self.now_ms = 0
         self.stored: dict[str, set[int]] = {key: set() for key in _KEYS}
@@ -108,10 +109,7 @@ class EngineVersusModel(RuleBasedStateMachine):
             blocked += bool(held) and next_out not in held
         flying_seqs = {key: flying[0] for key, flying in self.flying.items()}
         assert status.ready == sum(
-            1
-            for key in _KEYS
-            for seq in self.stored[key]
-            if seq < self._run_end(key) and seq != flying_seqs.get(key)
+            1 for key in _KEYS for seq in self.stored[key] if seq < self._run_end(key) and seq != flying_seqs.get(key)
         )
         assert status.keys_blocked == blocked
 

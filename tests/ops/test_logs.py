@@ -139,9 +139,7 @@ def test_text_format_is_readable_with_context_and_traceback(restore_root_logger:
     assert "SECRET-PAYLOAD" not in text
 
 
-def test_text_goes_to_stderr_and_json_to_stdout(
-    restore_root_logger: None, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_text_goes_to_stderr_and_json_to_stdout(restore_root_logger: None, capsys: pytest.CaptureFixture[str]) -> None:
     setup_logging("text", "INFO")
     logging.getLogger("t").info("to stderr")
     setup_logging("json", "INFO")

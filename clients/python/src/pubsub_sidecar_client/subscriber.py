@@ -411,5 +411,3 @@ class OrderedSubscriber:
             except Exception:
                 # The app's callback must not kill the stream that feeds it.
                 _LOGGER.exception("on_ack_confirmed callback failed for %s", delivery_id)
-
-
