@@ -44,6 +44,11 @@ async def test_status_names_skip_gap_which_frees_the_key_durably_across_a_kill9(
         data, attributes = order_message("k", seq)
         await scenario.pubsub.publish(sub.topic, data, **attributes)
     await async_wait_until(lambda: sequences(app.seen, "k") == [1, 2], "1 and 2 delivered")
+    # A skip is refused while the acks before the gap are not durable ("retry once they are"):
+    # the operator's command comes once the app's acks of 1 and 2 are confirmed.
+    await async_wait_until(
+        lambda: {("k", 1), ("k", 2)} <= {(key, seq) for key, seq, _ in app.confirmed_at}, "1 and 2 acked durably"
+    )
 
     async def free_with() -> str | None:
         result = await command(scenario, [str(_COMMAND), "status", "--target", sidecar.grpc, "--json"])

@@ -45,8 +45,12 @@ async def test_port_in_use_fails_start_and_releases_what_was_started() -> None:
 
 
 def test_stack_in_its_own_thread_serves_sync_callers() -> None:
+    # Other folders' session fixtures may run stacks of their own in threads of the same name.
+    before = {t for t in threading.enumerate() if t.name == "emulators"}
     stack = EmulatorStack()
     stack.start_in_thread()
+    ours = {t for t in threading.enumerate() if t.name == "emulators"} - before
+    assert len(ours) == 1
     try:
         with urllib.request.urlopen(f"{stack.admin_url}/healthz", timeout=10) as response:
             assert json.loads(response.read()) == {"status": "ok"}
@@ -54,4 +58,4 @@ def test_stack_in_its_own_thread_serves_sync_callers() -> None:
             grpc.channel_ready_future(channel).result(timeout=10)
     finally:
         stack.stop_thread()
-    assert not any(t.name == "emulators" for t in threading.enumerate())
+    assert not any(t.is_alive() for t in ours), "stop_thread joined the stack's thread"
