@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pubsub-sidecar demo
 
 test: $(STAMP) lint check-tools
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 check-tools:
 	@version=$$( (kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\..*/\1/p'; \

@@ -43,14 +43,14 @@ from pubsub_sidecar_client import get_status
 
 pytestmark = [
     pytest.mark.e2e,
-    # Opt in: on a loaded 2-core machine about one case in ten still ends with one key held
-    # after the kills: its next message is redelivered by Pub/Sub again and again (leased, attempt
-    # 7) but reaches neither the engine (GetStatus: waiting for that sequence) nor Firestore. A
-    # liveness defect between the client's StreamingPull and the engine, not found yet. Kept
-    # runnable so that it can be found: E2E_ERROR_RATE=1, with E2E_LOG_DIR for the evidence.
+    # Opt in: about 100 s for its two cases. Of 66 cases run in a loop after the last fixes, one
+    # ended with a message delivered just past the 60 s wait after the last publish (nothing lost,
+    # order kept); an earlier run held a key (its next message redelivered by Pub/Sub again and
+    # again, in neither the engine nor Firestore). Kept runnable so that either can be found:
+    # E2E_ERROR_RATE=1, with E2E_LOG_DIR for the evidence (Pub/Sub history, ingest stages).
     pytest.mark.skipif(
         os.environ.get("E2E_ERROR_RATE") != "1",
-        reason="run (g) holds a key after kill -9s in about one case in ten; E2E_ERROR_RATE=1 runs it",
+        reason="run (g): about 100 s; E2E_ERROR_RATE=1 runs it",
     ),
 ]
 
