@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -165,6 +166,18 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             await abort(context, exc)
             raise  # unreachable: abort raises
 
+    # ---- operator actions on one key ------------------------------------------------------
+
+    def _ready_runtime_for_key(self, request: Any, key_is: str) -> SubscriptionRuntime:
+        """The runtime an operator's request on one key names, once it is ready: unknown
+        subscription NOT_FOUND, no key INVALID_ARGUMENT, not ready UNAVAILABLE (``errors``)."""
+        runtime = self._runtime(request.subscription, field="subscription")
+        if not request.key:
+            raise BadRequest(f"key is required: {key_is}")
+        if not runtime.is_ready:
+            raise SubscriptionUnavailable(runtime.unavailable_reason())
+        return runtime
+
     # ---- UnblockKey ------------------------------------------------------------------------
 
     async def UnblockKey(
@@ -172,11 +185,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
     ) -> sidecar_pb2.UnblockKeyResponse:
         try:
             request = decoded(request)
-            runtime = self._runtime(request.subscription, field="subscription")
-            if not request.key:
-                raise BadRequest("key is required: the ordering key to unblock")
-            if not runtime.is_ready:
-                raise SubscriptionUnavailable(runtime.unavailable_reason())
+            runtime = self._ready_runtime_for_key(request, "the ordering key to unblock")
             try:
                 unblocked = await runtime.unblock(request.key)
             except KeyNotBlocked as exc:
@@ -195,11 +204,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
     ) -> sidecar_pb2.SkipGapResponse:
         try:
             request = decoded(request)
-            runtime = self._runtime(request.subscription, field="subscription")
-            if not request.key:
-                raise BadRequest("key is required: the ordering key that waits on a gap")
-            if not runtime.is_ready:
-                raise SubscriptionUnavailable(runtime.unavailable_reason())
+            runtime = self._ready_runtime_for_key(request, "the ordering key that waits on a gap")
             return skip_gap_response(await runtime.skip_gap(request.key, request.through))
         except Exception as exc:
             await abort(context, exc)
