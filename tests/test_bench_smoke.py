@@ -231,3 +231,14 @@ def test_compare_puts_each_run_next_to_the_same_run_before() -> None:
     assert "2.15 -> -" in cells["dedup-100keys"]
     with pytest.raises(BenchError, match=r"not a cost\.json"):
         load_runs(Path(__file__))
+
+
+def test_engine_bench_runs_a_tiny_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.engine_bench`` builds its messages as the engine takes them and acks them all."""
+    from bench import engine_bench
+
+    stream, distinct = engine_bench.build_stream(2_000, 20)
+    assert distinct == 2_000 and len(stream) >= distinct
+    engine_bench.run(2_000, 20, freeze_input=False)
+    out = capsys.readouterr().out
+    assert "acked:                     2,000 (buffered left: 0)" in out
