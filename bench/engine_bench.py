@@ -33,7 +33,10 @@ def build_stream(messages: int, keys: int, seed: int = 7) -> tuple[list[Message]
     by_key = []
     for k in range(keys):
         name = f"key-{k}"
-        seqs = [Message(name, f"{name}/{s}", f"m-{k}-{s}", 0, sequence=s, known_fingerprint=_FINGERPRINT) for s in range(1, per_key + 1)]
+        seqs = [
+            Message(name, f"{name}/{s}", f"m-{k}-{s}", 0, sequence=s, known_fingerprint=_FINGERPRINT)
+            for s in range(1, per_key + 1)
+        ]
         for i in range(len(seqs) - 1):
             if rng.random() < 0.10:
                 seqs[i], seqs[i + 1] = seqs[i + 1], seqs[i]
