@@ -69,4 +69,5 @@ def test_generated_service_has_the_contract_names() -> None:
         ("delivery_id", 1), ("key", 2), ("message_id", 3), ("dedup_id", 4), ("data", 5),
         ("attributes", 6), ("publish_time", 7), ("sequence", 8), ("event_time", 9),
         ("delivery_attempt", 10), ("late", 11), ("skipped", 12), ("epoch", 13), ("replayed", 14),
+        ("traceparent", 15),
     ]  # fmt: skip

@@ -53,7 +53,7 @@ class SubscribeResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[OrderedMessage, _Mapping]]] = ..., ack_confirmations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OrderedMessage(_message.Message):
-    __slots__ = ("delivery_id", "key", "message_id", "dedup_id", "data", "attributes", "publish_time", "sequence", "event_time", "delivery_attempt", "late", "skipped", "epoch", "replayed")
+    __slots__ = ("delivery_id", "key", "message_id", "dedup_id", "data", "attributes", "publish_time", "sequence", "event_time", "delivery_attempt", "late", "skipped", "epoch", "replayed", "traceparent")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class OrderedMessage(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     delivery_id: str
     key: str
     message_id: str
@@ -89,7 +90,8 @@ class OrderedMessage(_message.Message):
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedRange]
     epoch: int
     replayed: bool
-    def __init__(self, delivery_id: _Optional[str] = ..., key: _Optional[str] = ..., message_id: _Optional[str] = ..., dedup_id: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., publish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sequence: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., late: _Optional[bool] = ..., skipped: _Optional[_Iterable[_Union[SkippedRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, delivery_id: _Optional[str] = ..., key: _Optional[str] = ..., message_id: _Optional[str] = ..., dedup_id: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., publish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sequence: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., late: _Optional[bool] = ..., skipped: _Optional[_Iterable[_Union[SkippedRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., replayed: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SkippedRange(_message.Message):
     __slots__ = ("first", "last")
