@@ -32,7 +32,8 @@ _MAY_IMPORT: dict[str, set[str]] = {
     "dead_letters": {"engine", "config"},
     "pipeline": {"engine", "store", "dead_letters", "config", "ops"},
     "delivery": {"pipeline", "store", "engine", "config", "ops"},
-    "wiring": {"pipeline", "delivery", "cluster", "store", "engine", "dead_letters", "config", "ops"},
+    "peering": {"pipeline", "engine", "config", "ops"},
+    "wiring": {"pipeline", "delivery", "cluster", "peering", "store", "engine", "dead_letters", "config", "ops"},
     "commands": {"wiring", "delivery", "dead_letters", "config", "ops", "emulators", "engine"},
 }
 """Layer -> the layers it may import (besides itself and the leaves). Lowest first: the engine and
