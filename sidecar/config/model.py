@@ -25,118 +25,40 @@ from __future__ import annotations
 import os
 import re
 import sys
-import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TextIO
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 from pydantic import field_validator as _field_validator
 from pydantic_core import PydanticCustomError
 
-from sidecar.config.durations import parse_byte_size, parse_duration_ms, parse_optional_duration_ms
 from sidecar.config.errors import ConfigError as ConfigError  # re-exported: callers catch it from here
 from sidecar.config.errors import Lines, describe, format_loc, line_of, read_yaml_file, type_name
+from sidecar.config.fields import (
+    MAX_SEQUENCE,
+    AttributeName,
+    ByteSize,
+    NonNegativeDurationMs,
+    OptionalPositiveDurationMs,
+    PositiveDurationMs,
+    SubscriptionName,
+    TopicName,
+)
+from sidecar.config.fields import PROJECT_PATTERN as _PROJECT
+from sidecar.config.fields import StrictModel as _Model
+from sidecar.config.fields import check_collection_id as _check_collection_id
+from sidecar.config.fields import check_host_port as _check_host_port
+from sidecar.config.fields import check_listen as _check_listen
+from sidecar.config.fields import check_name as _check_name
+from sidecar.config.fields import check_project as _check_project
+from sidecar.config.relays import RelayConfig, resolve_topics, unique_relay_names
 from sidecar.engine.types import EngineConfig
 from sidecar.shards import MAX_SHARDS
 
 EXIT_CONFIG = 2
 """Exit code for a config file the user must fix (the same as for a bad command line)."""
 
-MAX_SEQUENCE = 2**63 - 1
-"""Sequences travel as protobuf int64 (``OrderedMessage.sequence``)."""
-
 PROJECT_ENV = "GOOGLE_CLOUD_PROJECT"
-
-_PUBSUB_ID = r"[A-Za-z][A-Za-z0-9\-_.~+%]{2,254}"
-"""Pub/Sub's rule for topic and subscription ids: 3-255 characters, starting with a letter."""
-_PROJECT = r"[^/\s]+"
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-"""Subscription names appear in Firestore document paths, metric labels and gRPC health service
-names: a conservative alphabet keeps them valid in all three."""
-_MAX_ATTRIBUTE_NAME_BYTES = 256
-"""Pub/Sub's limit on attribute keys: a longer name can never be present on a message."""
-
-
-# ---- field types -----------------------------------------------------------------------------
-
-
-def _check_attribute_name(value: str) -> str:
-    if not value:
-        raise ValueError("an attribute name must not be empty")
-    if len(value.encode()) > _MAX_ATTRIBUTE_NAME_BYTES:
-        raise ValueError(f"an attribute name is at most {_MAX_ATTRIBUTE_NAME_BYTES} bytes (Pub/Sub's limit)")
-    return value
-
-
-def _check_name(value: str) -> str:
-    if not _NAME_RE.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is not a valid name: use 1-100 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit"
-        )
-    return value
-
-
-def _check_pubsub_name(collection: str) -> typing.Callable[[str], str]:
-    full = re.compile(rf"projects/({_PROJECT})/{collection}/({_PUBSUB_ID})")
-    short = re.compile(_PUBSUB_ID)
-
-    def check(value: str) -> str:
-        match = full.fullmatch(value)
-        resource_id = match.group(2) if match else value
-        if match is None and not short.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is neither projects/PROJECT/{collection}/ID nor a bare ID; an ID has 3-255 characters, "
-                "starts with a letter and uses only letters, digits and -_.~+%"
-            )
-        if resource_id.lower().startswith("goog"):
-            raise ValueError(f"{value!r}: Pub/Sub ids must not start with 'goog'")
-        return value
-
-    return check
-
-
-def _check_project(value: str) -> str:
-    if not re.fullmatch(_PROJECT, value):
-        raise ValueError(f"{value!r} is not a project id (non-empty, no '/' or spaces)")
-    return value
-
-
-def _check_host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected HOST:PORT with a port in 0..65535, e.g. 127.0.0.1:9090, got {value!r}")
-    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise ValueError(f"an IPv6 host goes in brackets, e.g. [::1]:50051, got {value!r}")
-    return value
-
-
-def _check_listen(value: str) -> str:
-    if value.startswith("unix:"):
-        if not value.startswith("unix:///") or len(value) == len("unix:///"):
-            raise ValueError(f"a Unix socket is unix:///absolute/path, got {value!r}")
-        return value
-    return _check_host_port(value)
-
-
-def _check_collection_id(value: str) -> str:
-    if not value or "/" in value or value in (".", "..") or (value.startswith("__") and value.endswith("__")):
-        raise ValueError(f"{value!r} is not a Firestore collection id (non-empty, no '/', not '.', '..' or __x__)")
-    return value
-
-
-AttributeName = Annotated[str, AfterValidator(_check_attribute_name)]
-DurationMs = Annotated[int, BeforeValidator(parse_duration_ms)]
-PositiveDurationMs = Annotated[int, BeforeValidator(parse_duration_ms), Field(gt=0)]
-NonNegativeDurationMs = Annotated[int, BeforeValidator(parse_duration_ms), Field(ge=0)]
-OptionalPositiveDurationMs = Annotated[int | None, BeforeValidator(parse_optional_duration_ms)]
-ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=1)]
-SubscriptionName = Annotated[str, AfterValidator(_check_pubsub_name("subscriptions"))]
-TopicName = Annotated[str, AfterValidator(_check_pubsub_name("topics"))]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 # ---- ordering --------------------------------------------------------------------------------
@@ -415,7 +337,9 @@ class SidecarConfig(_Model):
     listen: Annotated[str, AfterValidator(_check_listen)] = "127.0.0.1:50051"
     http: Annotated[str, AfterValidator(_check_host_port)] = "127.0.0.1:9090"
     firestore: FirestoreConfig = Field(default_factory=FirestoreConfig)
-    subscriptions: Annotated[list[SubscriptionConfig], Field(min_length=1)]
+    subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
+    relays: list[RelayConfig] = Field(default_factory=list)
+    """Outbox relays (``sidecar.config.relays``): with relays, subscriptions may be left out."""
 
     @model_validator(mode="before")
     @classmethod
@@ -426,7 +350,10 @@ class SidecarConfig(_Model):
             return data
         project = data.get("project")
         subs = data.get("subscriptions")
-        if not isinstance(project, str) or not re.fullmatch(_PROJECT, project) or not isinstance(subs, list):
+        if not isinstance(project, str) or not re.fullmatch(_PROJECT, project):
+            return data
+        data = {**data, **_relays_resolved(data, project)}
+        if not isinstance(subs, list):
             return data
         resolved = []
         for sub in subs:
@@ -438,6 +365,19 @@ class SidecarConfig(_Model):
                         sub[field] = f"projects/{project}/{collection}/{value}"
             resolved.append(sub)
         return {**data, "subscriptions": resolved}
+
+    @_field_validator("relays")
+    @classmethod
+    def _unique_relay_names(cls, relays: list[RelayConfig]) -> list[RelayConfig]:
+        return unique_relay_names(relays)
+
+    @model_validator(mode="after")
+    def _something_to_run(self) -> SidecarConfig:
+        if not self.subscriptions and not self.relays:
+            given = "subscriptions" in self.model_fields_set
+            reason = "must not be empty" if given else "required"
+            raise PydanticCustomError("nothing_to_run", f"{reason} (or relays:)", {"at": ("subscriptions",)})
+        return self
 
     @_field_validator("subscriptions")
     @classmethod
@@ -452,6 +392,11 @@ class SidecarConfig(_Model):
                 )
             first_index[sub.name] = index
         return subs
+
+
+def _relays_resolved(data: dict[str, Any], project: str) -> dict[str, Any]:
+    """``relays`` with short topic names resolved (``sidecar.config.relays``), when the file has any."""
+    return {"relays": resolve_topics(data["relays"], project)} if "relays" in data else {}
 
 
 # ---- loading --------------------------------------------------------------------------------
