@@ -9,7 +9,9 @@ Each recorded command is then checked against:
   subscription, dead-letter topic, dedup window, ordering modes (monitoring.viewer only for
   ``watermark``);
 - the rendered overlay: namespace (its Namespace object), the Kubernetes ServiceAccount, the Google
-  service account of its Workload Identity annotation, the images' Artifact Registry repository;
+  service account of its Workload Identity annotation, the images' Artifact Registry repository,
+  the Secret the sidecar mounts for the peer channel (its name and key; created random, in the
+  namespace, before the overlay's pods);
 - ``firestore.indexes.json``: the TTL field and every single-field exemption;
 - the KEDA overlay: the project whose Prometheus API it reads.
 
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kustomize_build import Resource
+from kustomize_build import Resource, load_yaml_documents
 from rendered_manifests import K8S, OVERLAY, loaded_config, only, pod_spec, rendered_copy
 
 from sidecar.config.model import SidecarConfig
@@ -85,6 +87,7 @@ class Expected:
     registry: set[tuple[str, str, str]]  # (location, project, repository) of the overlay's images
     indexes: dict[str, Any]
     keda_project: str
+    peer_secret: tuple[str, str]  # (name, key) of the Secret the sidecar mounts for the peer channel
 
 
 # ---- running the page ------------------------------------------------------------------------
@@ -164,6 +167,12 @@ def expected(workdir: Path) -> Expected:
         r"https://monitoring\.googleapis\.com/v1/projects/([^/]+)/location/global/prometheus", server
     )
     assert keda_project, server
+    (peer_secret,) = [
+        (volume["secret"]["secretName"], item["key"])
+        for volume in pod_spec(overlay)["volumes"]
+        if "secret" in volume
+        for item in volume["secret"]["items"]
+    ]
     return Expected(
         config=loaded_config(overlay, workdir),
         namespace=only(overlay, "Namespace")["metadata"]["name"],
@@ -172,6 +181,7 @@ def expected(workdir: Path) -> Expected:
         registry=registry,
         indexes=json.loads(INDEXES.read_text()),
         keda_project=keda_project[1],
+        peer_secret=peer_secret,
     )
 
 
@@ -186,6 +196,16 @@ def days(duration: str | bool) -> int:
     match = DURATION_DAYS.fullmatch(str(duration))
     assert match, f"retention {duration!r} is not in days"
     return int(match[1])
+
+
+def creates_namespace(command: Command, namespace: str) -> bool:
+    """Whether a ``kubectl apply -f FILE`` applies a Namespace of that name (FILE relative to the repository)."""
+    path = command.flags.get("-f")
+    if not isinstance(path, str) or not (ROOT / path).is_file():
+        return False
+    return any(
+        d["kind"] == "Namespace" and d["metadata"]["name"] == namespace for d in load_yaml_documents(ROOT / path)
+    )
 
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -330,6 +350,31 @@ def problems(commands: list[Command], want: Expected) -> list[str]:
     rollout = [c for c in commands if c.tool == "kubectl" and c.verb == ("rollout",)]
     check(any(c.flags.get("-n") == want.namespace for c in rollout), f"no rollout status in namespace {want.namespace}")
 
+    # The peer channel's Secret: the one the pods mount, random, in their namespace once it exists,
+    # and before the overlay's pods start.
+    secret_name, secret_key = want.peer_secret
+    secrets = [
+        i
+        for i, c in enumerate(commands)
+        if c.tool == "kubectl" and c.verb == ("create",) and c.args[:2] == ["secret", "generic"]
+    ]
+    made = [
+        i for i in secrets if commands[i].args[2:] == [secret_name] and commands[i].flags.get("-n") == want.namespace
+    ]
+    check(
+        len(made) == 1,
+        f"the Secret {secret_name} the pods mount is not created once in namespace {want.namespace}: "
+        f"{[str(commands[i]) for i in secrets]}",
+    )
+    for i in made:
+        key, _, value = str(commands[i].flags.get("--from-literal")).partition("=")
+        check(key == secret_key, f"the Secret {secret_name} has no key {secret_key!r} (the pods mount that key)")
+        check(bool(re.fullmatch(r"[0-9a-f]{64}", value)), f"the peer secret is not 32 random bytes in hex: {value!r}")
+    namespaces = [i for i in applies if creates_namespace(commands[i], want.namespace)]
+    if made:
+        check(bool(namespaces) and namespaces[0] < made[0], f"the Secret is created before namespace {want.namespace}")
+        check(bool(example_apply) and made[0] < example_apply[0], "the Secret is created after the overlay's pods")
+
     # KEDA: its operator reads the metrics of the project the ScaledObject queries, and nothing else.
     keda_gsa = f"keda-operator@{want.keda_project}.iam.gserviceaccount.com"
     keda_roles = {
@@ -405,6 +450,14 @@ def _uncomment_monitoring_grant(text: str) -> str:
     return text.replace(f"# {block[0]}#{block[1]}", block[0] + block[1])
 
 
+def _apply_the_overlay_first(text: str) -> str:
+    """The overlay applied before the Secret its pods mount is created."""
+    apply = "kubectl apply -k k8s/overlays/example\n"
+    create = 'kubectl -n "$NAMESPACE" create secret'
+    assert apply in text and create in text
+    return text.replace(apply, "", 1).replace(create, apply + create, 1)
+
+
 DRIFTS: dict[str, tuple[Callable[[str], str], str]] = {
     "project": (_replace("PROJECT=example-project", "PROJECT=example-projekt"), "example-project"),
     "subscription": (_replace("SUBSCRIPTION=orders-sidecar", "SUBSCRIPTION=orders"), "orders-sidecar"),
@@ -440,6 +493,17 @@ DRIFTS: dict[str, tuple[Callable[[str], str], str]] = {
         _replace('kubectl -n "$NAMESPACE" apply edit-last-applied deployment/orders-app\n', ""),
         "last-applied",
     ),
+    "peer-secret-name": (
+        _replace("create secret generic pubsub-sidecar-peer", "create secret generic peer-secret"),
+        "pubsub-sidecar-peer the pods mount",
+    ),
+    "peer-secret-namespace": (
+        _replace('kubectl -n "$NAMESPACE" create secret', "kubectl create secret"),
+        "in namespace orders",
+    ),
+    "peer-secret-key": (_replace("--from-literal=secret=", "--from-literal=token="), "no key 'secret'"),
+    "peer-secret-not-random": (_replace('"$(openssl rand -hex 32)"', "changeme"), "32 random bytes"),
+    "peer-secret-after-the-pods": (_apply_the_overlay_first, "after the overlay's pods"),
     "keda-operator-account": (
         _replace('"keda-operator@$PROJECT.iam.gserviceaccount.com" \\', '"keda@$PROJECT.iam.gserviceaccount.com" \\'),
         "KEDA's operator is not bound",

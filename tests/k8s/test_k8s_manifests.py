@@ -88,7 +88,7 @@ def test_rendered_base_and_overlay_validate_against_the_kubernetes_schema(
 ) -> None:
     kinds = sorted(r["kind"] for r in rendered)
     # The overlay creates its namespace; the base leaves the namespace to its overlays.
-    namespaced = ["ConfigMap", "Deployment", "PodDisruptionBudget", "ServiceAccount"]
+    namespaced = ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount"]
     assert kinds in (namespaced, sorted([*namespaced, "Namespace"]))
     for resource in rendered:
         kubernetes_validate.validate(resource, version, strict=True)

@@ -110,11 +110,12 @@ def test_custom_resources_validate_against_the_keda_crds() -> None:
 
 def test_core_resources_validate_against_the_kubernetes_schema() -> None:
     resources = rendered_keda()
-    core = [r for r in resources if r["apiVersion"].partition("/")[0] in ("v1", "apps", "policy")]
+    core = [r for r in resources if r["apiVersion"].partition("/")[0] in ("v1", "apps", "policy", "networking.k8s.io")]
     assert sorted(r["kind"] for r in core) == [
         "ConfigMap",
         "Deployment",
         "Namespace",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "ServiceAccount",
     ]
