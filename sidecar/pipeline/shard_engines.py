@@ -13,6 +13,10 @@ engine without a table, and an id of a shard's earlier ownership never matches t
 
 A single pod without leases (tests, ``MemoryStore``) runs one engine for every key: ``route`` is
 then constant 0 and the epoch is 0.
+
+The engines' counters (``EngineStatus.counts``) are running totals for the life of the process: an
+engine's counts are kept (``retired``) when its shard is dropped, so that no total falls when a
+shard moves to another pod.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class ShardEngines:
         self._by_prefix: dict[str, ShardEngine] = {}
         """``engine_prefix`` -> its engine: a delivery id is that prefix plus the engine's counter."""
         self._turn = 0
+        self.retired: dict[str, int] = {}
+        """The counts of the engines removed so far (shards lost or handed over), summed."""
 
     def engine_prefix(self, shard: int, epoch: int) -> str:
         return f"{self.id_prefix}{shard}.{epoch}-"
@@ -83,6 +89,9 @@ class ShardEngines:
         entry = self._by_shard.pop(shard, None)
         if entry is not None:
             del self._by_prefix[self.engine_prefix(shard, entry.epoch)]
+            retired = self.retired
+            for name, value in entry.engine.status(0, max_keys=0)[0].counts.items():
+                retired[name] = retired.get(name, 0) + value
         return entry
 
     def get(self, shard: int) -> ShardEngine | None:
@@ -135,14 +144,15 @@ class ShardEngines:
         return out
 
     def status(self, mode: str, now_ms: int, max_keys: int) -> tuple[EngineStatus, list[KeyStatus]]:
-        """One status over all engines: sums, the oldest age, and the keys that waited longest."""
+        """One status over all engines: sums, the oldest age, and the keys that waited longest; the
+        counts include those of the engines removed before (``retired``)."""
         statuses = [entry.engine.status(now_ms, max_keys=max_keys) for entry in self._by_shard.values()]
         if not statuses:
-            empty = EngineStatus(mode, 0, 0, 0, 0, 0, None, None, {})  # type: ignore[arg-type]
+            empty = EngineStatus(mode, 0, 0, 0, 0, 0, None, None, dict(self.retired))  # type: ignore[arg-type]
             return empty, []
-        if len(statuses) == 1:
+        if len(statuses) == 1 and not self.retired:
             return statuses[0]
-        counts: dict[str, int] = {}
+        counts: dict[str, int] = dict(self.retired)
         for status, _ in statuses:
             for name, value in status.counts.items():
                 counts[name] = counts.get(name, 0) + value
