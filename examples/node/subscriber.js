@@ -4,7 +4,8 @@
 //   node subscriber.js --target 127.0.0.1:50051 --subscription orders [--json]
 //
 // It loads the repository's proto at run time (@grpc/proto-loader), opens a Subscribe stream,
-// prints each message (stdout, one line each), acks it, and:
+// prints each message (stdout, one line each, with its W3C `traceparent` when it carries one: hand
+// it to your tracer's propagator to continue the trace), acks it, and:
 // - reconnects with exponential backoff and jitter when the stream breaks for a reason a new stream
 //   can cure (the sidecar restarting or still recovering: UNAVAILABLE and the like). One stderr line
 //   says the sidecar is not serving, repeats of the same reason are not printed, and one line says
@@ -109,10 +110,12 @@ function formatMessage(message, json) {
       redelivered: message.delivery_attempt > 1,
       late: message.late,
       skipped: message.skipped.map((range) => [range.first, range.last]),
+      traceparent: message.traceparent,
     });
   }
   const extra = message.delivery_attempt > 1 ? ` (redelivery, attempt ${message.delivery_attempt})` : '';
-  return `${message.key} #${message.sequence}: ${data.toString('utf8')}${extra}`;
+  const trace = message.traceparent ? ` [traceparent ${message.traceparent}]` : '';
+  return `${message.key} #${message.sequence}: ${data.toString('utf8')}${extra}${trace}`;
 }
 
 class Subscriber {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -23,6 +24,7 @@ from sidecar.config.credentials import require_google_access
 from sidecar.config.model import ConfigError, config_error_exit, load_config
 from sidecar.ops.listening import ListenError
 from sidecar.ops.logs import setup_logging
+from sidecar.ops.tracing import TracingConfigError, exporter_name
 from sidecar.wiring.app import serve_until_stopped
 
 
@@ -35,6 +37,12 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.grace_period > 0:
         print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
         return EXIT_USAGE
+    if config.tracing.enabled:
+        try:
+            exporter_name(os.environ)
+        except TracingConfigError as exc:
+            print(f"pubsub-sidecar: tracing: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     watermark = any(sub.ordering.mode == "watermark" for sub in config.subscriptions)
     # GoogleAccessMissing: one line and exit 2 (sidecar.commands.main), before any client or log line.
     require_google_access([credentials.PUBSUB, credentials.FIRESTORE, *([credentials.MONITORING] * watermark)])

@@ -52,6 +52,7 @@ from sidecar.config.fields import check_listen as _check_listen
 from sidecar.config.fields import check_name as _check_name
 from sidecar.config.fields import check_project as _check_project
 from sidecar.config.relays import RelayConfig, resolve_topics, unique_relay_names
+from sidecar.config.tracing import TracingConfig
 from sidecar.engine.types import EngineConfig
 from sidecar.shards import MAX_SHARDS
 
@@ -340,6 +341,8 @@ class SidecarConfig(_Model):
     subscriptions: list[SubscriptionConfig] = Field(default_factory=list)
     relays: list[RelayConfig] = Field(default_factory=list)
     """Outbox relays (``sidecar.config.relays``): with relays, subscriptions may be left out."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """A span per message, exported with OpenTelemetry (``sidecar.config.tracing``); off by default."""
 
     @model_validator(mode="before")
     @classmethod

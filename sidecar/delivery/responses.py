@@ -24,23 +24,30 @@ from sidecar.pipeline.runtime_actions import Unblocked
 _MAX_RESPONSE_BYTES = 3 * 1024 * 1024
 """Stay under the 4 MiB default receive limit of gRPC clients, with room for our size estimate's error."""
 
-_MESSAGE_OVERHEAD_BYTES = 96
-"""Rough protobuf framing per OrderedMessage (tags, lengths, timestamps, attempt, flags)."""
+_MESSAGE_OVERHEAD_BYTES = 160
+"""Rough protobuf framing per OrderedMessage (tags, lengths, timestamps, attempt, flags) and its
+traceparent (55 characters)."""
 
 
-def subscribe_responses(deliveries: list[Deliver], confirmations: list[str]) -> list[sidecar_pb2.SubscribeResponse]:
+def subscribe_responses(
+    deliveries: list[Deliver], confirmations: list[str], traceparents: list[str] | None = None
+) -> list[sidecar_pb2.SubscribeResponse]:
     """Pack messages into responses under ``_MAX_RESPONSE_BYTES``; confirmations ride on the first.
-    Each message is built in place in its response (``messages.add``): no copy of its payload."""
+    Each message is built in place in its response (``messages.add``): no copy of its payload.
+    ``traceparents``: each delivery's ``OrderedMessage.traceparent`` (``MessageTraces.delivered``)."""
     response = sidecar_pb2.SubscribeResponse()
     responses = [response]
     batch_bytes = 0
-    for delivery in deliveries:
+    for index, delivery in enumerate(deliveries):
         size = _estimated_size(delivery)
         if batch_bytes and batch_bytes + size > _MAX_RESPONSE_BYTES:
             response = sidecar_pb2.SubscribeResponse()
             responses.append(response)
             batch_bytes = 0
-        _fill_ordered_message(response.messages.add(), delivery)
+        proto = response.messages.add()
+        _fill_ordered_message(proto, delivery)
+        if traceparents is not None and traceparents[index]:
+            proto.traceparent = traceparents[index]
         batch_bytes += size
     if confirmations:
         responses[0].ack_confirmations.extend(confirmations)

@@ -59,7 +59,8 @@ async def send(
                 deliveries = await runtime.load_payloads(deliveries)
         confirmations, stream.confirmations = stream.confirmations, []
         if deliveries or confirmations:
-            for response in subscribe_responses(deliveries, confirmations):
+            traceparents = runtime.traces.delivered(deliveries) if deliveries else None
+            for response in subscribe_responses(deliveries, confirmations, traceparents):
                 counters.responses_sent += 1
                 yield response
             counters.messages_sent += len(deliveries)

@@ -17,7 +17,8 @@ the runtime that releases each key's messages in order.
   ``runtime_acks`` (acks confirmed only once durable), ``runtime_fast_path`` (the in-order fast path
   and its settlement with Pub/Sub), ``runtime_actions`` (dead letters, dropped duplicates, unblock),
   ``runtime_shards`` (shard adoption, drain and loss; one engine per shard, ``shard_engines``),
-  ``runtime_wakeups`` (streams and the timer) and ``runtime_context`` (what the parts share).
+  ``runtime_wakeups`` (streams and the timer) and ``runtime_context`` (what the parts share);
+  ``message_traces``: each message's span and the trace context its deliveries carry.
 - ``watermark_source`` and ``watermark_rule``: watermark mode's watermark from Cloud Monitoring.
 
 May import ``sidecar.engine``, ``sidecar.store``, ``sidecar.dead_letters``, ``sidecar.config``,

@@ -15,6 +15,9 @@ wiring use; it owns the lifecycle and hands each job to a part of its own, which
 - ``runtime_shards``: shard adoption, drain and loss (one engine per owned shard, ``shard_engines``).
 - ``runtime_delivery``: take, read back stripped payloads, accept acks and nacks.
 - ``runtime_wakeups``: streams woken when messages are ready, and the one timer task.
+- ``message_traces``: each message's span (tracing on) and the trace context its deliveries carry;
+  told of each step here (stored, the engine's decisions, take, acks, nacks, confirmations, shards
+  dropped), never consulted for a decision.
 
 Rules the runtime itself keeps:
 
@@ -43,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sidecar.engine.types import Action, Deliver, EngineConfig, EngineStatus, KeyStatus, Message, SkippedRange
+from sidecar.pipeline.message_traces import MessageTraces
 from sidecar.pipeline.runtime_acks import AckPipeline, AckResult, AckTicket
 from sidecar.pipeline.runtime_actions import DeadLetterSink, EngineActions, Unblocked
 from sidecar.pipeline.runtime_context import RuntimeContext, RuntimeCounters, SubscriptionUnavailable, first_cause
@@ -115,6 +119,10 @@ class SubscriptionRuntime:
         """This process's identity among the pods of the subscription (set with leases)."""
         self.status_counts: Callable[[], dict[str, int]] | None = None
         """More counters for GetStatus and metrics (the lease manager's), read when asked."""
+        self.traces = MessageTraces(name)
+        """The messages' spans and the trace context each delivery carries (the wiring replaces it
+        when tracing is on): told of every step below, asked by the delivery layer."""
+        self.traces.bind(clock, engines.route)
         self._task: asyncio.Task[None] | None = None
         store.watch_losses(name, self._shard_lost)
 
@@ -320,7 +328,9 @@ class SubscriptionRuntime:
     def drop_shard(self, shard: int, epoch: int | None = None) -> bool:
         """Stop delivering ``shard`` at once (lost, or handed over); ``epoch``: only if the engine is
         still that epoch's. Returns whether an engine was dropped."""
-        return self._shards.drop(shard, epoch)
+        dropped = self._shards.drop(shard, epoch)
+        self.traces.keep_shards(self.shards())
+        return dropped
 
     async def drain_shard(self, shard: int, timeout_seconds: float) -> None:
         """Before a graceful hand-over: hand out nothing more of ``shard``, wait (up to
@@ -347,6 +357,7 @@ class SubscriptionRuntime:
     def on_stored(self, messages: Sequence[Message]) -> None:
         """Messages the store made durable (PersistOutcome.STORED), in arrival order. Those of shards
         this pod does not own are left to their owner."""
+        self.traces.stored(messages, self._owns)
         self._loading.on_stored(messages)
 
     def take_fast(self, batch: Sequence[IncomingMessage]) -> list[Message | None]:
@@ -357,7 +368,10 @@ class SubscriptionRuntime:
         (same position and content) is returned too, and kept beside its original: it is settled
         with it, so it is acked as a duplicate once the original's ack is durable, and given back
         to Pub/Sub with it otherwise. None: store it as usual."""
-        return self._fast_path.take(batch)
+        taken = self._fast_path.take(batch)
+        if self.traces.enabled:
+            self.traces.stored([m for m in taken if m is not None], self._owns)
+        return taken
 
     def awaits_predecessor(self, incoming: IncomingMessage) -> bool:
         """Sequence mode: whether ``incoming``, which did not take the fast path, lies beyond the first
@@ -401,7 +415,9 @@ class SubscriptionRuntime:
 
     def take(self, consumer: str, max_messages: int) -> list[Deliver]:
         """Up to ``max_messages`` releasable messages for ``consumer`` (none while not ready)."""
-        return self._deliveries.take(consumer, max_messages)
+        deliveries = self._deliveries.take(consumer, max_messages)
+        self.traces.released(deliveries)
+        return deliveries
 
     async def load_payloads(self, deliveries: list[Deliver]) -> list[Deliver]:
         """``deliveries`` with every stripped payload read back from the store; a delivery whose
@@ -410,7 +426,16 @@ class SubscriptionRuntime:
 
     def submit_ack(self, consumer: str, delivery_ids: Sequence[str]) -> AckTicket:
         """Accept acks now (the engine holds their keys as "acking"); confirm once durable."""
-        return self._deliveries.submit_ack(consumer, delivery_ids)
+        ticket = self._deliveries.submit_ack(consumer, delivery_ids)
+        if self.traces.enabled and ticket.confirmed is not None:
+            unknown = set(ticket.unknown)
+            self.traces.acked(i for i in delivery_ids if i not in unknown)
+            ticket.confirmed.add_done_callback(self._traces_confirmed)
+        return ticket
+
+    def _traces_confirmed(self, future: asyncio.Future[list[str]]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.traces.confirmed(future.result())
 
     async def ack(self, consumer: str, delivery_ids: Sequence[str]) -> AckResult:
         """Ack and wait until durable: ``confirmed`` only holds ids that commit_acks made durable."""
@@ -427,7 +452,10 @@ class SubscriptionRuntime:
         dead_letter: bool = False,
     ) -> list[str]:
         """Give messages back (redelivered after backoff, or dead-lettered); returns the unknown ids."""
-        return self._deliveries.nack(consumer, delivery_ids, retry_after_ms=retry_after_ms, dead_letter=dead_letter)
+        unknown = self._deliveries.nack(consumer, delivery_ids, retry_after_ms=retry_after_ms, dead_letter=dead_letter)
+        if self.traces.enabled:
+            self.traces.nacked((i for i in delivery_ids if i not in unknown), dead_letter)
+        return unknown
 
     def consumer_closed(self, consumer: str) -> None:
         """A stream ended: its in-flight messages are ready again at once, for any stream."""
@@ -453,6 +481,7 @@ class SubscriptionRuntime:
     # ---- the hooks the parts tell each other by (RuntimeContext) ---------------------------
 
     def _apply(self, entry: ShardEngine, actions: Sequence[Action]) -> None:
+        self.traces.decided(entry.shard, entry.epoch, actions)
         self._actions.apply(entry, actions)
 
     def _settle(self, entry: ShardEngine, message: Message, safe: bool) -> None:
@@ -460,6 +489,10 @@ class SubscriptionRuntime:
 
     def _shard_lost(self, exc: ShardLost) -> None:
         self._shards.shard_lost(exc)
+        self.traces.keep_shards(self.shards())
+
+    def _owns(self, key: str) -> bool:
+        return self._ctx.engines.for_key(key) is not None
 
 
 def _shard(key: str, count: int) -> int:

@@ -46,6 +46,7 @@ from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.delivery.server import GrpcServer
 from sidecar.ops.listening import ListenError, ensure_tcp_port_free
 from sidecar.ops.observability import HttpEndpoint, Metrics, Readiness
+from sidecar.ops.tracing import TraceCounters, TracingCollector, start_tracing
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable, first_cause
 from sidecar.store import documents as docs
 from sidecar.store.api import SubscriptionStoreConfig
@@ -169,6 +170,17 @@ class Sidecar:
             if parts.leases is not None:
                 leases_by_sub[sub.name] = parts.leases
             subs[sub.name] = parts
+        # Tracing (sidecar.ops.tracing): one provider for the process, closed after the runtimes
+        # stopped (spans end as acks are confirmed); its counters are exported tracing on or off.
+        trace_counters = TraceCounters()
+        tracer = None
+        if config.tracing.enabled:
+            tracing = start_tracing(config.tracing.max_queue_size, trace_counters)
+            clients.push_async_callback(close_quietly, "tracing", tracing.aclose)
+            tracer = tracing.tracer
+        for s in subs.values():
+            s.runtime.traces.configure(trace_counters, tracer, config.tracing.max_open_spans)
+        self.metrics.registry.register(TracingCollector(trace_counters, subs))
         grpc_server = GrpcServer(
             {name: s.runtime for name, s in subs.items()},
             config.listen,

@@ -90,6 +90,12 @@ class Message:
     """The fencing token of this key: its shard's lease epoch at the delivering sidecar (0 without
     leases). Grows whenever the key moves to another sidecar; refuse side effects of a lower one."""
     replayed: bool
+    trace_context: dict[str, str]
+    """The message's W3C trace context as a propagation carrier: ``{"traceparent": ...}`` (and
+    ``"tracestate"`` when the message carries one), empty when it carries none. With OpenTelemetry:
+    ``TraceContextTextMapPropagator().extract(message.trace_context)`` is the context to start the
+    app's span in, so that it continues the publisher's trace (through the sidecar's span when the
+    sidecar traces)."""
     _subscriber: _Settler = field(repr=False)
     _stream: _Stream = field(repr=False)
     _settled: bool = field(default=False, repr=False)
@@ -144,6 +150,19 @@ class Message:
         # The future exists only if someone awaits it, so its exception is always retrieved.
         if self._confirmation is not None and not self._confirmation.done():
             self._confirmation.set_exception(NotConfirmed(f"delivery {self.delivery_id}: {reason}"))
+
+
+def _trace_context(proto: sidecar_pb2.OrderedMessage) -> dict[str, str]:
+    """``OrderedMessage.traceparent`` with the tracestate the message's attributes carry beside it."""
+    if not proto.traceparent:
+        return {}
+    carrier = {"traceparent": proto.traceparent}
+    attributes = proto.attributes
+    prefix = "googclient_" if "googclient_traceparent" in attributes else ""
+    tracestate = attributes.get(prefix + "tracestate", "")
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return carrier
 
 
 def _to_datetime(message: sidecar_pb2.OrderedMessage, field_name: str) -> datetime | None:

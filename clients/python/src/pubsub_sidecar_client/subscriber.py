@@ -39,7 +39,7 @@ import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from pubsub_sidecar_client.errors import ClientError, NotConfirmed, SubscriptionError, is_transient, one_line
-from pubsub_sidecar_client.message import Message, _Stream, _to_datetime, _to_duration
+from pubsub_sidecar_client.message import Message, _Stream, _to_datetime, _to_duration, _trace_context
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -383,6 +383,7 @@ class OrderedSubscriber:
                 skipped=tuple((r.first, r.last) for r in proto.skipped),
                 epoch=proto.epoch,
                 replayed=proto.replayed,
+                trace_context=_trace_context(proto),
                 _subscriber=self,
                 _stream=stream,
             )
