@@ -59,6 +59,9 @@ _GOOGLE_LIBRARIES: dict[str, tuple[tuple[str, ...], set[str]]] = {
             "sidecar.commands.demo_pubsub",
         },
     ),
+    # Not Google's, held the same way: the OpenTelemetry SDK and its exporters in one module (spans
+    # are made through the API, opentelemetry.trace, by pipeline.message_traces).
+    "opentelemetry-sdk": (("opentelemetry.sdk", "opentelemetry.exporter"), {"sidecar.ops.tracing"}),
 }
 """Library -> (its import prefixes, the only modules of ours that may import it). The emulators
 implement these services and are not counted."""
