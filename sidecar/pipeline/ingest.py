@@ -6,7 +6,9 @@ batch loop that drives them.
 
 - ``ingest_pull``: the Pub/Sub client and the StreamingPull (with ``ingest_scheduler``, which runs
   the callback on the event loop, and ``ingest_watch``, which reports each attempt to ``PullHealth``).
-- ``ingest_sort``: the callback (classify), and the fast path, deferred, held and to-store queues.
+- ``ingest_sort``: the callback (classify), forwarding to the key's owner, and the fast path,
+  deferred, held and to-store queues; ``ingest_forwarded``: a message another pod forwarded, taken
+  by ``take_forwarded`` as this pod's own intake (docs/forwarding.md).
 - ``ingest_persist``: persist batches, and what each store outcome makes of its message.
 - ``ingest_settlement``: every message received until acked or nacked; dead letter, then ack.
 - ``ingest_backpressure``: no new batch while the app is too far behind.
@@ -67,6 +69,7 @@ from sidecar.config.model import SequenceOrdering, SubscriptionConfig
 from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.pipeline.ingest_backpressure import Backpressure
 from sidecar.pipeline.ingest_counters import IngestCounters
+from sidecar.pipeline.ingest_forwarded import ForwardedMessage
 from sidecar.pipeline.ingest_persist import Persister
 from sidecar.pipeline.ingest_pull import StreamingPull, SubscriberClient, describe_error, describe_seconds
 from sidecar.pipeline.ingest_settlement import Settlement
@@ -75,6 +78,7 @@ from sidecar.pipeline.ingest_sort import (
     MAX_BATCH_BYTES,
     MAX_BATCH_MESSAGES,
     PREDECESSOR_WAIT_SECONDS,
+    Forwarder,
     Sorter,
 )
 from sidecar.pipeline.pull_health import PullHealth
@@ -130,6 +134,7 @@ class Ingestor:
         clock: Callable[[], int] | None = None,
         fast_path: bool | None = None,
         predecessor_wait_seconds: float = PREDECESSOR_WAIT_SECONDS,
+        forwarder: Forwarder | None = None,
     ) -> None:
         if max_batch_messages < 1:
             raise ValueError(f"max_batch_messages must be >= 1, got {max_batch_messages}")
@@ -185,6 +190,7 @@ class Ingestor:
             batch_window_seconds=batch_window_seconds,
             predecessor_wait_seconds=predecessor_wait_seconds,
             backoff_maximum_seconds=backoff_maximum_seconds,
+            forwarder=forwarder,
         )
         self._persister = Persister(
             self.name,
@@ -375,6 +381,15 @@ class Ingestor:
         errors += await self._pull.close_client()
         if errors:
             raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]
+
+    def take_forwarded(self, message: ForwardedMessage) -> bool:
+        """Take a message another pod forwarded as this pod's own intake (its ``ack``/``nack`` answer
+        that pod); False, taking nothing, unless pulling runs and the runtime is ready."""
+        if self._stopping or self._worker is None or self._worker.done() or not self._runtime.is_ready:
+            return False
+        self.counters.forwarded_in += 1
+        self._sorter.on_message(message, from_peer=True)
+        return True
 
     async def ping(self, timeout_seconds: float = 5.0) -> bool:
         """True if Pub/Sub answers for this subscription now (GetSubscription); for readiness checks."""

@@ -44,3 +44,9 @@ class IngestCounters:
     """Messages stored for the pod that owns their key's shard (several pods on one subscription)."""
     owner_changed: int = 0
     """Messages stored while this pod's lease on their shard moved on: nacked, redelivered, marked."""
+    forwarded: int = 0
+    """Messages forwarded to their key's owner and acked once it answered that their outcome is durable."""
+    forward_refused: int = 0
+    """Messages forwarded and refused (or whose peer channel broke): stored for the owner instead."""
+    forwarded_in: int = 0
+    """Messages other pods forwarded to this one, the owner of their key (taken as its own intake)."""

@@ -20,6 +20,10 @@ Rules (G1 in DESIGN §1 depends on each of them):
 - **Give back at stop with our own calls.** ``give_back`` nacks everything still held with its own
   ModifyAckDeadline calls once the stream is closed: nacked on the open stream, Pub/Sub would send
   them straight back to it, and after the stream closed the client's dispatcher would drop them.
+- **Forwarded messages** (``sidecar.pipeline.ingest_forwarded``): a message another pod forwarded is
+  held and settled like Pub/Sub's, by the same rules; its ``ack``/``nack`` answer that pod, and
+  ``give_back`` nacks it directly (it has no ack id Pub/Sub knows). ``acked``/``nacked`` count
+  Pub/Sub's messages only.
 - Everything runs on the event loop. Payloads never appear in logs; ids, counts and reasons do.
   Pub/Sub's messages are seen through ``PulledMessage`` (what ingest uses of them), and the give-back
   calls through ``StreamingPull.nack_ids``: only ``sidecar.pipeline.ingest_pull`` imports the client.
@@ -38,6 +42,7 @@ from google.api_core import exceptions as api_exceptions
 from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.engine.types import Message
 from sidecar.pipeline.ingest_counters import IngestCounters
+from sidecar.pipeline.ingest_forwarded import is_forwarded
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -129,14 +134,16 @@ class Settlement:
         if self._unsettled.pop(message.ack_id, None) is None:
             return
         message.ack()
-        self._counters.acked += 1
+        if not is_forwarded(message):
+            self._counters.acked += 1
 
     def nack(self, message: PulledMessage) -> None:
         self._nack_timers.pop(message.ack_id, None)
         if self._unsettled.pop(message.ack_id, None) is None:
             return
         message.nack()
-        self._counters.nacked += 1
+        if not is_forwarded(message):
+            self._counters.nacked += 1
 
     def nack_later(self, message: PulledMessage, delay_seconds: float) -> None:
         """Keep ``message`` leased for ``delay_seconds``, then nack it (a backoff before redelivery)."""
@@ -159,6 +166,8 @@ class Settlement:
         them, and before it closed Pub/Sub would send them straight back to this stream.
         """
         self._cancel_timers()
+        for forwarded in [m for m in self._unsettled.values() if is_forwarded(m)]:
+            self.nack(forwarded)  # answers the pod that forwarded it: no Pub/Sub ack id of ours
         ack_ids = list(self._unsettled)
         self._unsettled.clear()
         if not ack_ids or nack_ids is None:

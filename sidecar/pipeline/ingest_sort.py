@@ -2,7 +2,13 @@
 
 ``Sorter.on_message`` is the subscriber's callback (``LoopScheduler`` runs it on the event loop): it
 classifies the message and queues it unsorted. ``sort_pending`` then sends each message one of
-four ways, in this order:
+five ways, in this order:
+
+- **Forwarded** (several pods, a ``Forwarder`` given): a message whose key's shard another pod owns
+  is handed to that owner over the peer channel (docs/forwarding.md). Acked with Pub/Sub only when
+  the owner answered that its outcome is durable; a refusal or a broken channel sends it back here,
+  marked, to be stored for the owner (``inbox``) as before. A message forwarded to this pod
+  (``on_message(from_peer=True)``) is never forwarded again.
 
 - **Fast path** (sequence mode, ``ordering.fast_path``): ``runtime.take_fast`` takes an in-order
   message without a write; its Pub/Sub ack waits for ``Settlement.on_volatile_settled``. Offered
@@ -21,9 +27,10 @@ Rules:
   (``take_fast_before_store``) (docs/ingest.md).
 - Never messages with a Pub/Sub ordering key on the fast path, held or deferred: the client gives
   the callback the next message of such a key only once this one is acked.
-- Sorting settles nothing but malformed messages (dead-lettered, then acked) and a message classify
-  failed on (a bug of ours: nacked after the maximum backoff, never dead-lettered); every queued
-  message stays held in ``Settlement`` until the store or the runtime made it safe.
+- Sorting settles nothing but malformed messages (dead-lettered, then acked), forwarded messages
+  whose owner answered that their outcome is durable (acked), and a message classify failed on (a
+  bug of ours: nacked after the maximum backoff, never dead-lettered); every queued message stays
+  held in ``Settlement`` until the store, the runtime or the owner made it safe.
 - ``persisting`` counts, by key, the messages sorted to be stored and not yet released: deferring
   waits on it. Everything runs on the event loop. Messages are seen as ``PulledMessage``: the
   Pub/Sub client library is not imported here.
@@ -33,17 +40,19 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar.config.model import SubscriptionConfig
 from sidecar.pipeline.classify import Malformed, classify
 from sidecar.pipeline.ingest_counters import IngestCounters
 from sidecar.pipeline.ingest_settlement import PulledMessage, Settlement
 from sidecar.pipeline.runtime import SubscriptionRuntime
+from sidecar.shards import shard_of
 from sidecar.store.api import IncomingMessage
 
 if TYPE_CHECKING:
@@ -73,6 +82,16 @@ document (create and tombstone). Waiting delays no delivery: the message could n
 before its predecessor anyway, and is offered to the fast path the moment that one takes it."""
 
 
+class Forwarder(Protocol):
+    """Hands a message of a shard this pod does not own to the shard's owner (``sidecar.peering.client``;
+    the contract is in ``sidecar.pipeline.ingest_forwarded``)."""
+
+    def forward(self, subscription: str, shard: int, message: PulledMessage, on_answer: Callable[[bool], None]) -> bool:
+        """Take ``message`` for the owner of ``shard``; False when it cannot now (``on_answer`` is then
+        never called). Once taken, ``on_answer`` is called once, on the loop: True when the owner made
+        its outcome durable, False for a refusal or a broken channel."""
+
+
 @dataclass(slots=True)
 class Received:
     """A received message on its way to the fast path or the store, with what classify made of it."""
@@ -81,6 +100,10 @@ class Received:
     incoming: IncomingMessage
     deferred: bool = False
     """It already waited once for its key's persist (``Sorter._defer``): never twice."""
+    from_peer: bool = False
+    """Forwarded to this pod by another (``on_message(from_peer=True)``): never forwarded again."""
+    forward_refused: bool = False
+    """Forwarded and refused (or its channel broke): stored for the owner now, not offered again."""
 
 
 class Sorter:
@@ -102,6 +125,7 @@ class Sorter:
         max_batch_bytes: int = MAX_BATCH_BYTES,
         batch_window_seconds: float = BATCH_WINDOW_SECONDS,
         predecessor_wait_seconds: float = PREDECESSOR_WAIT_SECONDS,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self._config = sub_config
         self.name = sub_config.name
@@ -133,6 +157,9 @@ class Sorter:
         """Keys with messages in a persist in progress (fast path only): how many."""
         self._deferred: dict[str, list[Received]] = {}
         """Messages waiting, by key, for the persists of their key in progress (``_defer``)."""
+        self._forwarder = forwarder
+        self.forwarding = 0
+        """Messages handed to the forwarder and not answered yet."""
 
     def stages(self) -> dict[str, int]:
         """Messages queued here, by queue (part of ``Ingestor.stages``)."""
@@ -141,6 +168,7 @@ class Sorter:
             "held": len(self._held),
             "deferred": sum(len(items) for items in self._deferred.values()),
             "to_store": len(self._to_store),
+            "forwarding": self.forwarding,
         }
 
     @property
@@ -159,8 +187,9 @@ class Sorter:
 
     # ---- receiving (on the loop, from LoopScheduler) ---------------------------------------
 
-    def on_message(self, message: PulledMessage) -> None:
-        """The subscriber's callback; ``LoopScheduler`` runs it on the loop."""
+    def on_message(self, message: PulledMessage, *, from_peer: bool = False) -> None:
+        """The subscriber's callback; ``LoopScheduler`` runs it on the loop. ``from_peer``: another pod
+        forwarded it (``Ingestor.take_forwarded``)."""
         self._counters.received += 1
         self._settlement.receive(message)
         if self._is_stopping():
@@ -184,7 +213,7 @@ class Sorter:
             self._counters.malformed += 1
             self._spawn(self._settlement.dead_letter_then_ack(message, f"malformed: {result.reason}", key=""))
             return
-        self._pending.append(Received(message=message, incoming=result))
+        self._pending.append(Received(message=message, incoming=result, from_peer=from_peer))
         self._wake.set()
 
     # ---- sorting ---------------------------------------------------------------------------
@@ -192,7 +221,7 @@ class Sorter:
     def sort_pending(self) -> None:
         """Everything received goes to the fast path or waits behind its key's persist (``_defer``), or
         is queued to be stored."""
-        batch = list(self._pending)
+        batch = self._forward(list(self._pending))
         self._pending.clear()
         if self.fast_path and self._runtime.is_ready:
             rest = self._take_fast(batch)
@@ -207,6 +236,40 @@ class Sorter:
             # Counted from now: a later message of the key waits for this one to be stored (``_defer``).
             self._persisting.update(item.incoming.key for item in batch)
         self._queue_to_store(batch)
+
+    def _forward(self, batch: list[Received]) -> list[Received]:
+        """Hand each message whose key's shard another pod owns to the forwarder; returns the rest."""
+        forwarder = self._forwarder
+        runtime = self._runtime
+        if forwarder is None or not runtime.sharded or not batch:
+            return batch
+        rest: list[Received] = []
+        for item in batch:
+            key = item.incoming.key
+            if item.from_peer or item.forward_refused or runtime.owner_epoch(key) is not None:
+                rest.append(item)
+                continue
+            shard = shard_of(key, runtime.shard_count)
+            answer = functools.partial(self._answered, item)
+            if forwarder.forward(self.name, shard, item.message, answer):
+                self.forwarding += 1
+            else:
+                rest.append(item)
+        return rest
+
+    def _answered(self, item: Received, accepted: bool) -> None:
+        """The owner's answer for a forwarded message: durable there -> ack; else store it for the owner."""
+        self.forwarding -= 1
+        if accepted:
+            self._counters.forwarded += 1
+            self._settlement.ack(item.message)
+            return
+        self._counters.forward_refused += 1
+        if self._is_stopping():
+            return  # held; stop() gives it back with the rest
+        item.forward_refused = True
+        self._pending.append(item)
+        self._wake.set()
 
     def _queue_to_store(self, batch: list[Received]) -> None:
         if batch and not self._to_store:

@@ -1,0 +1,27 @@
+"""Who owns a shard, at which epoch, reached at which address: what the forwarder reads.
+
+``PeerDirectory.route`` answers from what this pod knows now (``sidecar.wiring.peering`` feeds it
+from the lease documents and the pods' addresses); None when forwarding cannot help: the owner is
+unknown, is this pod, or has no known address. The answer may be stale: the owner checks the epoch
+named and refuses (``STALE_EPOCH``, ``NOT_OWNER``), and the message then goes the inbox's way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRoute:
+    """The owner of a shard as this pod knows it."""
+
+    pod: str
+    epoch: int
+    address: str
+    """host:port of the owner's peer server."""
+
+
+class PeerDirectory(Protocol):
+    def route(self, subscription: str, shard: int) -> PeerRoute | None:
+        """The owner of ``shard`` of ``subscription`` if another pod, with its address; else None."""
