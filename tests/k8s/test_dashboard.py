@@ -7,7 +7,7 @@ of ``Metrics`` observed once: so every family the code can export has a sample, 
 renamed or relabelled in the code is seen here without a list to keep. A family that still has no
 sample fails the test (the filler must learn its type), rather than pass unchecked.
 
-Each panel's PromQL (and each template variable's query) is checked: every ``pubsub_sidecar_*``
+Each panel's PromQL (and each template variable's query) is checked: brackets balanced; every ``pubsub_sidecar_*``
 name is a series the sidecar exports; every label matcher, every ``by (...)`` of an aggregation and
 every ``{{label}}`` of a legend names a label that series has, or ``namespace``/``pod`` (the
 target labels Prometheus adds at scrape time), or ``le`` on a histogram's buckets.
@@ -154,6 +154,16 @@ def query_problems(where: str, expr: str, legend: str, series: dict[str, set[str
     def labels_of(name: str) -> set[str]:
         return series.get(name, set()) | SCRAPE_LABELS
 
+    depth: list[str] = []
+    for char in expr:
+        if char in "([{":
+            depth.append({"(": ")", "[": "]", "{": "}"}[char])
+        elif char in ")]}" and (not depth or depth.pop() != char):
+            found.append(f"{where}: unbalanced {char!r} in {expr}")
+            return found
+    if depth:
+        found.append(f"{where}: {depth[-1]!r} missing in {expr}")
+        return found
     names = [match.group(1) for match in _METRIC.finditer(expr)]
     if not names:
         found.append(f"{where}: queries no metric of the sidecar: {expr}")
@@ -318,6 +328,7 @@ DRIFTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "trailing-grouping": (_group_after_the_argument, "grouping before the argument"),
     "legend-label-dropped-by-the-query": (_edit_legend, "a label the query does not keep"),
     "variable-on-a-missing-label": (_edit_variable, "label_values of 'topic'"),
+    "unbalanced": (_edit_expr("[$__rate_interval]))", "[$__rate_interval])"), "missing in"),
 }
 
 
