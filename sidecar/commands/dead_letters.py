@@ -79,7 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="projects/P/subscriptions/S, or S with GOOGLE_CLOUD_PROJECT set",
         )
         sub.add_argument("--key", action="append", default=[], help="only this key (repeatable)")
-        sub.add_argument("--reason", action="append", default=[], help="only this reason (repeatable)")
+        sub.add_argument(
+            "--reason",
+            action="append",
+            default=[],
+            help="only this reason: a family (malformed, late) or the start of a reason (repeatable)",
+        )
         sub.add_argument("--older-than", metavar="DURATION", help="only dead letters older than this, e.g. 1h")
         sub.add_argument(
             "--message-id",

@@ -252,12 +252,15 @@ class DeadLetterPublisher:
                 f"to {topic} failed: {_describe(exc)}"
             ) from exc
         self.published += 1
-        _LOGGER.info(
+        reason = attributes["sidecar_reason"]
+        # A malformed message is the publisher's mistake, for someone to fix: a warning, not news.
+        _LOGGER.log(
+            logging.WARNING if reason.startswith("malformed") else logging.INFO,
             "subscription %s: message %s dead-lettered to %s (reason: %s)",
             subscription,
             message_id,
             topic,
-            attributes["sidecar_reason"],
+            reason,
         )
 
     def _start_publish(self, topic: str, data: bytes, attributes: dict[str, str]) -> asyncio.Future[Any]:

@@ -14,6 +14,10 @@ Rules:
 - ``--message-id`` matches the original message id (``sidecar_message_id``) or the dead letter's own
   Pub/Sub id, so a foreign message can be named by the only id it has.
 - Ages are measured from the dead letter's publish time: when the sidecar gave up on the message.
+- A reason is a family, then for some a detail after ``": "`` (``malformed: sequence attribute
+  'seq' is missing``); metrics count by family (``reason_family``). ``--reason`` matches a letter
+  whose family is the given text, or whose whole reason starts with it (``malformed``,
+  ``malformed: sequence``, ``late``).
 """
 
 from __future__ import annotations
@@ -116,9 +120,19 @@ class Filters:
             return False  # module docstring: foreign messages are selected by id only
         if self.keys and letter.key not in self.keys:
             return False
-        if self.reasons and letter.reason not in self.reasons:
+        if self.reasons and not any(reason_matches(letter.reason, wanted) for wanted in self.reasons):
             return False
         return self.older_than_seconds is None or letter.age_seconds(now) > self.older_than_seconds
+
+
+def reason_family(reason: str) -> str:
+    """The family of a dead-letter reason: the text before its first ``": "`` (all of it without one)."""
+    return reason.split(": ", 1)[0]
+
+
+def reason_matches(reason: str, wanted: str) -> bool:
+    """``--reason wanted`` selects ``reason``: its family is ``wanted``, or it starts with ``wanted``."""
+    return reason_family(reason) == wanted or reason.startswith(wanted)
 
 
 def select(letters: Iterable[WaitingLetter], filters: Filters, now: datetime) -> list[WaitingLetter]:

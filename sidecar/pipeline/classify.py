@@ -1,9 +1,12 @@
 """Classification of a received Pub/Sub message: key, position and dedup id, or Malformed.
 
 Pure: no I/O, no clock, no Google imports; ingest hands in the message's parts. ``classify`` never
-raises on message content: anything the publisher got wrong comes back as ``Malformed(reason)``,
-and ingest dead-letters it with that reason. Reasons name the attribute and show (a shortened
-copy of) the offending value.
+raises on message content: anything the publisher got wrong comes back as ``Malformed(reason, key)``,
+and ingest dead-letters it with the reason ``malformed: <reason>`` (the family ``malformed``, which
+metrics count by, then the detail) and the key. Reasons name the attribute and show (a shortened
+copy of) the offending value. ``Malformed.key`` is the message's key whenever it could be read
+(a readable key with a bad sequence, timestamp, dedup attribute or replay marker), so that
+``dead-letters list --key`` finds the dead letter; empty when the key itself is what is wrong.
 
 Rules (docs/config.md repeats them for users):
 
@@ -74,6 +77,8 @@ class Malformed:
     """The publisher sent something the configuration cannot place; ``reason`` says what."""
 
     reason: str
+    key: str = ""
+    """The message's key when it could be read (empty when the key is what is wrong, or there is none)."""
 
 
 def classify(
@@ -89,16 +94,32 @@ def classify(
     ``attributes`` (the caller's own copy of the Pub/Sub map<string, string>: the types hold by
     construction) is kept by the result, not copied: records share it, and none changes it."""
     attrs = attributes
+    ordering = config.ordering
+    is_ordered = isinstance(ordering, SequenceOrdering | WatermarkOrdering)
+    key = _key(ordering.key, attrs, ordering_key, required=is_ordered)
+    if isinstance(key, Malformed):
+        return key
+    result = _classify_keyed(config, key, data, attrs, ordering_key, message_id, publish_time_ms)
+    if isinstance(result, Malformed):
+        return Malformed(result.reason, key)
+    return result
+
+
+def _classify_keyed(
+    config: SubscriptionConfig,
+    key: str,
+    data: bytes,
+    attrs: dict[str, str],
+    ordering_key: str,
+    message_id: str,
+    publish_time_ms: int,
+) -> IncomingMessage | Malformed:
+    """``classify`` once the key is read: the position, the dedup id, the replay marker."""
     try:
         replay = read_marker(attrs)
     except BadMarker as exc:
         return Malformed(str(exc))
     ordering = config.ordering
-    is_ordered = isinstance(ordering, SequenceOrdering | WatermarkOrdering)
-
-    key = _key(ordering.key, attrs, ordering_key, required=is_ordered)
-    if isinstance(key, Malformed):
-        return key
 
     sequence: int | None = None
     timestamp_ms: int | None = None

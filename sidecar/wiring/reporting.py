@@ -6,6 +6,10 @@ hands it plain values. Rules:
 - Counters and gauges are read at scrape time (``metrics_snapshot``), from the same engine status
   that GetStatus answers with, so a scrape always agrees with it. A subscription still recovering
   (or stopping) has no engine numbers yet and is left out of the scrape rather than failing it.
+- Every counter is a running total for the life of the process (the engines keep a dropped
+  shard's counts: ``ShardEngines.retired``). ``dead_lettered_total`` is by reason family: the
+  engine's reasons, and those ingest decides before the engine (``malformed``, ``conflict``,
+  ``store_rejected``), always exported so that ``increase()`` sees the first one.
 - Only the two latency histograms are observed as events happen (``LatencyObserver``): a persist
   batch's duration, and publish-to-delivery for first attempts only.
 - Readiness: Firestore and each subscription's Pub/Sub answer, and each subscription's StreamingPull
@@ -98,11 +102,15 @@ def metrics_snapshot(subs: Iterable[SubscriptionParts]) -> list[SubscriptionMetr
             continue
         counts = status.counts
         dead = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_lettered:")}
+        ingest = s.ingestor.counters
+        # Dead letters ingest decides before the engine sees the message, by reason family.
+        dead["malformed"] = dead.get("malformed", 0) + ingest.malformed
+        dead["conflict"] = dead.get("conflict", 0) + ingest.conflicts
+        dead["store_rejected"] = dead.get("store_rejected", 0) + ingest.rejected
         oldest = status.oldest_undelivered_ms
         lag = None
         if s.watermark is not None and s.watermark.watermark_ms is not None:
             lag = max(0.0, (now_ms - s.watermark.watermark_ms) / 1000)
-        ingest = s.ingestor.counters
         extra = s.runtime.extra_counts()
         snapshots.append(
             SubscriptionMetrics(

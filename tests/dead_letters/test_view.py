@@ -68,3 +68,20 @@ def test_table_shortens_long_keys_and_counts_per_reason() -> None:
 
 def test_ages_read_at_a_glance() -> None:
     assert [format_age(s) for s in (5, 65, 3_700, 90_000)] == ["5s", "1m05s", "1h01m", "1d01h"]
+
+
+def test_reason_matches_a_family_or_a_prefix() -> None:
+    malformed = ours("1", "k", sidecar_reason="malformed: sequence attribute 'seq' is missing")
+    rejected = ours("2", "k", sidecar_reason="store_rejected: too big")
+    late = ours("3", "k")
+
+    def chosen(*reasons: str) -> list[str]:
+        return [x.dead_letter_id for x in select([malformed, rejected, late], Filters(reasons=frozenset(reasons)), NOW)]
+
+    assert chosen("malformed") == ["1"]
+    assert chosen("malformed: sequence") == ["1"]
+    assert chosen("malformed: sequence attribute 'seq' is missing") == ["1"]
+    assert chosen("malformed: timestamp") == []
+    assert chosen("late", "store_rejected") == ["2", "3"]
+    assert chosen("lat") == ["3"]  # a prefix
+    assert chosen("sequence") == []  # the detail is matched from its family on only

@@ -87,3 +87,25 @@ async def test_counters_only_grow_when_another_pod_takes_shards(scenario: Scenar
 def _shards_sync(scenario: Scenario, sub: Sub, pod: int = 0) -> int:
     """Shards the pod owns now (its ``pubsub_sidecar_shards_owned`` gauge)."""
     return int(scenario.sidecars[pod].metric("pubsub_sidecar_shards_owned", subscription=sub.name))
+
+
+async def test_a_malformed_message_is_counted_warned_about_and_found_by_its_key(scenario: Scenario) -> None:
+    sub = scenario.add_subscription("picky")
+    sidecar = await scenario.start_sidecar()
+    await scenario.pubsub.publish(sub.topic, b"no sequence", order_id="o-456")
+    await scenario.pubsub.publish(sub.topic, b"no key", seq="1")
+    assert sub.dead_letter_subscription is not None
+    dead = await scenario.pubsub.pull_until(sub.dead_letter_subscription, 2, "the malformed messages")
+    keys = {letter.data: letter.attributes.get("sidecar_key", "") for letter in dead}
+    assert keys == {b"no sequence": "o-456", b"no key": ""}
+    assert all(letter.attributes["sidecar_reason"].startswith("malformed: ") for letter in dead)
+    await async_wait_until(
+        lambda: sidecar.metric("pubsub_sidecar_dead_lettered_total", subscription=sub.name, reason="malformed") == 2,
+        "two malformed dead letters counted",
+    )
+    warned = [
+        record
+        for record in sidecar.log_records()
+        if "dead-lettered" in record.get("message", "") and "malformed" in record["message"]
+    ]
+    assert len(warned) == 2 and all(record["severity"] == "WARNING" for record in warned), warned

@@ -365,3 +365,30 @@ def test_a_half_replay_marker_is_malformed(marker: dict[str, str], missing: str)
 def test_a_replay_timestamp_that_is_not_one_is_malformed() -> None:
     result = run(WATERMARK_PUBLISH, {**REPLAY, "sidecar_replay_timestamp_ms": "soon"}, ordering_key="p")
     assert isinstance(result, Malformed) and "sidecar_replay_timestamp_ms" in result.reason
+
+
+# ---- the key of a malformed message (issue 31: `dead-letters list --key` finds it) -------------
+
+
+@pytest.mark.parametrize(
+    ("config", "attributes", "ordering_key", "key"),
+    [
+        (SEQUENCE, {"order_id": "o-7"}, "", "o-7"),  # no sequence
+        (SEQUENCE, {"order_id": "o-7", "seq": "seven"}, "", "o-7"),
+        (SEQUENCE_FROM_0, {"k": "o-7", "seq": "1" * 30}, "", "o-7"),
+        (SEQUENCE_ORDERING_KEY, {"seq": "-1"}, "ok-7", "ok-7"),
+        (WATERMARK_ATTR, {"k": "o-7", "ts": "yesterday"}, "", "o-7"),
+        (sub({"mode": "none", "key": {"attribute": "k"}}, dedup={"attribute": "e"}), {"k": "o-7"}, "", "o-7"),
+        (SEQUENCE, {"order_id": "o-7", "seq": "4", "sidecar_replay_id": "dl-7"}, "", "o-7"),  # half a marker
+    ],
+)
+def test_a_malformed_message_keeps_its_key_when_the_key_could_be_read(
+    config: SubscriptionConfig, attributes: dict[str, str], ordering_key: str, key: str
+) -> None:
+    result = run(config, attributes, ordering_key=ordering_key)
+    assert isinstance(result, Malformed) and result.key == key, result
+
+
+def test_a_malformed_key_leaves_the_key_empty() -> None:
+    for result in (run(SEQUENCE, {"seq": "1"}), run(SEQUENCE_ORDERING_KEY, {"seq": "x"}, ordering_key="")):
+        assert isinstance(result, Malformed) and result.key == "", result
