@@ -211,7 +211,7 @@ class Sorter:
             return
         if isinstance(result, Malformed):
             self._counters.malformed += 1
-            self._spawn(self._settlement.dead_letter_then_ack(message, f"malformed: {result.reason}", key=""))
+            self._spawn(self._settlement.dead_letter_then_ack(message, f"malformed: {result.reason}", key=result.key))
             return
         self._pending.append(Received(message=message, incoming=result, from_peer=from_peer))
         self._wake.set()
