@@ -33,8 +33,12 @@ _MAY_IMPORT: dict[str, set[str]] = {
     "pipeline": {"engine", "store", "dead_letters", "config", "ops"},
     "delivery": {"pipeline", "store", "engine", "config", "ops"},
     "peering": {"pipeline", "engine", "config", "ops"},
-    "wiring": {"pipeline", "delivery", "cluster", "peering", "store", "engine", "dead_letters", "config", "ops"},
-    "commands": {"wiring", "delivery", "dead_letters", "config", "ops", "emulators", "engine"},
+    "publishing": {"store", "cluster", "config", "ops"},
+    "wiring": {
+        *("pipeline", "delivery", "cluster", "peering", "store", "engine", "dead_letters", "config", "ops"),
+        "publishing",
+    },
+    "commands": {"wiring", "delivery", "dead_letters", "config", "ops", "emulators", "engine", "publishing"},
 }
 """Layer -> the layers it may import (besides itself and the leaves). Lowest first: the engine and
 ops import nothing of the sidecar; commands sit on top. ``sidecar.__main__`` imports ``commands``."""
@@ -57,6 +61,7 @@ _GOOGLE_LIBRARIES: dict[str, tuple[tuple[str, ...], set[str]]] = {
             "sidecar.dead_letters.publisher",
             "sidecar.dead_letters.subscription",
             "sidecar.commands.demo_pubsub",
+            "sidecar.publishing.publisher",  # the outbox relay's
         },
     ),
     # Not Google's, held the same way: the OpenTelemetry SDK and its exporters in one module (spans
