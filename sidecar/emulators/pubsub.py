@@ -319,7 +319,9 @@ class PubsubEmulator:
                     response = _StreamingPullResponse()
                     _fill(response.received_messages, sub, leases)
                     response.subscription_properties.message_ordering_enabled = sub.config.enable_message_ordering
+                    stream.writing_since = asyncio.get_running_loop().time()
                     yield response
+                    stream.writing_since = None
                 else:
                     await stream.wake.wait()
         finally:
@@ -337,7 +339,9 @@ class PubsubEmulator:
                 f"{MAX_ACK_DEADLINE_SECONDS} (got {deadline})"
             )
         self._stream_acks(sub, first)
-        stream = self.broker.open_stream(sub, deadline, first.max_outstanding_messages, first.max_outstanding_bytes)
+        stream = self.broker.open_stream(
+            sub, deadline, first.max_outstanding_messages, first.max_outstanding_bytes, first.client_id
+        )
         return sub, stream
 
     def _stream_acks(self, sub: Subscription, request: Any) -> None:

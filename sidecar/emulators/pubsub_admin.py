@@ -7,6 +7,9 @@
 | ``GET /pubsub/counters``, ``POST /pubsub/counters/reset`` | Acknowledge and ModifyAckDeadline calls and ack ids |
 | ``GET /pubsub/leases?subscription=S`` | outstanding leases with seconds left and extensions so far: how long a |
 | | message stays hidden if its holder dies now |
+| ``GET /pubsub/unacked?subscription=S`` | unacked messages, oldest first, with their last events |
+| ``GET /pubsub/finished?subscription=S`` | the last 1,000 acked or dead-lettered messages with their last events |
+| ``GET /pubsub/streams?subscription=S`` | open StreamingPull streams: number, client id, flow control, unwritten |
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class PubsubAdmin:
             web.post("/pubsub/counters/reset", self._reset_counters),
             web.get("/pubsub/leases", self._get_leases),
             web.get("/pubsub/unacked", self._get_unacked),
+            web.get("/pubsub/finished", self._get_finished),
+            web.get("/pubsub/streams", self._get_streams),
         ]
 
     # -- RPC counters and leases -------------------------------------------------------------
@@ -62,6 +67,12 @@ class PubsubAdmin:
 
     async def _get_unacked(self, request: web.Request) -> web.Response:
         return self._report(request, self.broker.unacked_report)
+
+    async def _get_finished(self, request: web.Request) -> web.Response:
+        return self._report(request, self.broker.finished_report)
+
+    async def _get_streams(self, request: web.Request) -> web.Response:
+        return self._report(request, self.broker.stream_report)
 
     def _report(self, request: web.Request, report: Callable[[Subscription], list[dict[str, Any]]]) -> web.Response:
         name = request.query.get("subscription", "")

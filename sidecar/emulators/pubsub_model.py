@@ -22,9 +22,11 @@ MAX_RESPONSE_BYTES = 3 * 1024 * 1024 + 512 * 1024
 MAX_MESSAGES_PER_RESPONSE = 1000
 """Bounds one StreamingPull/Pull response so a large backlog is spread over several writes."""
 RESPONSE_OVERHEAD_BYTES = 64
+"""Per received message: ack id, delivery attempt and field tags around the message itself."""
 HISTORY_EVENTS = 32
 """Events of one message kept for the admin report (``Pending.history``): the last ones."""
-"""Per received message: ack id, delivery attempt and field tags around the message itself."""
+FINISHED_MESSAGES_KEPT = 1000
+"""Per subscription: how many acked (or dead-lettered) messages keep their history for the admin API."""
 
 
 class PubsubError(Exception):
@@ -73,6 +75,18 @@ class Lease:
     """Deadline changes (modacks > 0) since delivery, for the admin API's lease report."""
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A message that left a subscription (acked or dead-lettered), kept for the admin API's history."""
+
+    message_id: str
+    outcome: str
+    """"acked" or "dead-lettered"."""
+    attempts: int
+    history: deque[tuple[float, str]]
+    """The message's ``Pending.history`` (no longer written to)."""
+
+
 @dataclass(slots=True, eq=False)
 class StreamState:
     """Flow control, the leases waiting to be written, and control flags of one StreamingPull stream."""
@@ -81,11 +95,18 @@ class StreamState:
     deadline_seconds: int
     max_messages: int
     max_bytes: int
+    number: int = 0
+    """Unique within the broker (never reused, unlike ``id()``): histories and the admin API name it."""
+    client_id: str = ""
+    """The client's ``client_id`` from the first request (the Python client keeps it across reconnects)."""
     outstanding_messages: int = 0
     outstanding_bytes: int = 0
     outbox: deque[Lease] = field(default_factory=deque)
     """Leased to this stream by the dispatcher, not yet written to it."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    writing_since: float | None = None
+    """Loop time the response being written now was handed to gRPC (None: not writing); a client that
+    stopped reading keeps the write waiting."""
     closed: bool = False
     break_code: grpc.StatusCode | None = None
     break_message: str = ""
@@ -108,6 +129,10 @@ class StreamState:
     @property
     def is_open(self) -> bool:
         return not self.closed and self.break_code is None
+
+    @property
+    def label(self) -> str:
+        return f"stream {self.number}" + (f" (client {self.client_id})" if self.client_id else "")
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
         if self.break_code is None:
@@ -143,6 +168,8 @@ class Subscription:
     """Every unacked message by seq, in publish order (so the first is the oldest)."""
     acked: dict[int, Pending] = field(default_factory=dict)
     """Acked messages kept for Seek while ``retain_acked_messages`` is set (retention still applies)."""
+    finished: deque[Finished] = field(default_factory=lambda: deque(maxlen=FINISHED_MESSAGES_KEPT))
+    """The last acked or dead-lettered messages with their histories, oldest first (admin API only)."""
     available: deque[Pending] = field(default_factory=deque)
     leases: dict[str, Lease] = field(default_factory=dict)
     streams: dict[StreamState, None] = field(default_factory=dict)

@@ -48,6 +48,7 @@ from sidecar.emulators.pubsub_model import (
     MAX_RESPONSE_BYTES,
     RESPONSE_OVERHEAD_BYTES,
     Backlog,
+    Finished,
     Lease,
     Pending,
     PubsubError,
@@ -82,6 +83,7 @@ class Broker:
         self._seq = itertools.count(1)
         self._ack_seq = itertools.count(1)
         self._message_ids = itertools.count(1)
+        self._stream_numbers = itertools.count(1)
         self._timers = TimerHeap(self._on_due)
         self._to_dispatch: dict[Subscription, None] = {}
         self._dispatch_handle: asyncio.Handle | None = None
@@ -216,8 +218,10 @@ class Broker:
 
     # -- streams and dispatch ------------------------------------------------------------------
 
-    def open_stream(self, sub: Subscription, deadline_seconds: int, max_messages: int, max_bytes: int) -> StreamState:
-        stream = StreamState(sub, deadline_seconds, max_messages, max_bytes)
+    def open_stream(
+        self, sub: Subscription, deadline_seconds: int, max_messages: int, max_bytes: int, client_id: str = ""
+    ) -> StreamState:
+        stream = StreamState(sub, deadline_seconds, max_messages, max_bytes, next(self._stream_numbers), client_id)
         sub.streams[stream] = None
         self.notify(sub)
         return stream
@@ -230,10 +234,12 @@ class Broker:
         sub.streams.pop(stream, None)
         unsent = [lease for lease in stream.outbox if lease.active]
         stream.outbox.clear()
+        now = self._now() if unsent else 0.0
         for lease in reversed(unsent):
             del sub.leases[lease.ack_id]
             lease.active = False
             lease.pending.attempts -= 1
+            lease.pending.history.append((now, f"{lease.ack_id} given back unwritten: {stream.label} ended"))
             self._put_back(sub, lease.pending, front=True)
         if unsent:
             self.notify(sub)
@@ -324,9 +330,7 @@ class Broker:
             response_bytes += pending.size + RESPONSE_OVERHEAD_BYTES
             pending.attempts += 1
             lease = Lease(f"{next(self._ack_seq):x}-{pending.seq:x}", sub, pending, deadline, stream)
-            pending.history.append(
-                (now, f"leased {lease.ack_id} to {'a Pull' if stream is None else f'stream {id(stream):x}'}")
-            )
+            pending.history.append((now, f"leased {lease.ack_id} to {'a Pull' if stream is None else stream.label}"))
             sub.leases[lease.ack_id] = lease
             leases.append(lease)
         for lease in leases:
@@ -345,6 +349,7 @@ class Broker:
             pending = lease.pending
             pending.history.append((self._now(), f"acked {ack_id}"))
             sub.unacked.pop(pending.seq, None)
+            sub.finished.append(Finished(pending.message.message_id, "acked", pending.attempts, pending.history))
             if retain:
                 sub.acked[pending.seq] = pending
             if sub.is_ordered and pending.message.ordering_key:
@@ -391,6 +396,10 @@ class Broker:
         max_attempts = sub.max_delivery_attempts
         if max_attempts and pending.attempts >= max_attempts:
             sub.unacked.pop(pending.seq, None)
+            pending.history.append((self._now(), "forwarded to the dead-letter topic"))
+            sub.finished.append(
+                Finished(pending.message.message_id, "dead-lettered", pending.attempts, pending.history)
+            )
             self._dead_letter(sub, pending)
             if sub.is_ordered and pending.message.ordering_key:
                 self._free_key(sub, pending.message.ordering_key, None)
@@ -466,9 +475,45 @@ class Broker:
             for p in sub.unacked.values()
         ]
 
-    def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
-        """The subscription's live leases: message id, attempt, seconds left and modacks so far."""
+    def finished_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """The last acked or dead-lettered messages (``FINISHED_MESSAGES_KEPT``), oldest first: message
+        id, outcome, attempts, and their last events as in :meth:`unacked_report`."""
         now = self._now()
+        return [
+            {
+                "message_id": f.message_id,
+                "outcome": f.outcome,
+                "delivery_attempt": f.attempts,
+                "history": [f"-{now - when:.3f}s {what}" for when, what in f.history],
+            }
+            for f in sub.finished
+        ]
+
+    def stream_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """The subscription's open streams, oldest first: number, client id, flow control and the
+        leases not yet written, and for how long its current write has waited (a stream whose client
+        stopped reading keeps both)."""
+        now = self._now()
+        return [
+            {
+                "stream": s.number,
+                "client_id": s.client_id,
+                "deadline_seconds": s.deadline_seconds,
+                "max_outstanding_messages": s.max_messages,
+                "max_outstanding_bytes": s.max_bytes,
+                "outstanding_messages": s.outstanding_messages,
+                "outstanding_bytes": s.outstanding_bytes,
+                "unwritten": sum(lease.active for lease in s.outbox),
+                "write_blocked_seconds": 0.0 if s.writing_since is None else round(now - s.writing_since, 3),
+            }
+            for s in sub.streams
+        ]
+
+    def lease_report(self, sub: Subscription) -> list[dict[str, Any]]:
+        """The subscription's live leases: message id, attempt, seconds left, modacks so far, and who
+        holds it (a stream, or a Pull) and whether it was written to that stream yet."""
+        now = self._now()
+        unwritten = {id(lease) for stream in sub.streams for lease in stream.outbox}
         return [
             {
                 "ack_id": lease.ack_id,
@@ -476,6 +521,8 @@ class Broker:
                 "delivery_attempt": lease.pending.attempts,
                 "seconds_left": round(lease.deadline - now, 3),
                 "extensions": lease.extensions,
+                "holder": "a Pull" if lease.stream is None else lease.stream.label,
+                "written": id(lease) not in unwritten,
             }
             for lease in sub.leases.values()
         ]

@@ -110,3 +110,12 @@ def raw_stream(subscriber: Any, subscription: str, **fields: Any) -> Iterator[tu
 def publish_all(publisher: Any, topic: str, payloads: list[bytes], **attributes: str) -> list[str]:
     """Publish and wait for every message id."""
     return [future.result(timeout=30) for future in [publisher.publish(topic, d, **attributes) for d in payloads]]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)

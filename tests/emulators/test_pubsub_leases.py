@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from google.cloud import pubsub_v1
+from pubsub_clients import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
 Emulators = Any
 """The session fixture of tests/emulators/conftest.py (not importable by name: every test folder has a
 conftest module)."""
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def lease_report(emulators: Emulators, subscription: str) -> list[dict[str, Any]]:
