@@ -57,6 +57,11 @@ def validate_subscription(config: Any) -> None:
     config.state = _SubscriptionState.ACTIVE
 
 
+CLIENT_ATTRIBUTE_PREFIX = "googclient_"
+"""Pub/Sub reserves keys that start with ``goog`` except these, which Google's own client libraries set
+(``googclient_traceparent`` with OpenTelemetry tracing on): the service accepts them."""
+
+
 def validate_messages(request: Any) -> None:
     if not request.messages:
         raise invalid("Publish: the request contains no messages")
@@ -69,7 +74,7 @@ def validate_messages(request: Any) -> None:
         for key, value in message.attributes.items():
             if not key or len(key.encode()) > MAX_ATTRIBUTE_KEY_BYTES:
                 raise invalid(f"Publish: message {index}: attribute key {key!r} must be 1-256 bytes")
-            if key.startswith("goog"):
+            if key.startswith("goog") and not key.startswith(CLIENT_ATTRIBUTE_PREFIX):
                 raise invalid(f"Publish: message {index}: attribute key {key!r} is reserved (starts with 'goog')")
             if len(value.encode()) > MAX_ATTRIBUTE_VALUE_BYTES:
                 raise invalid(f"Publish: message {index}: attribute {key!r} value exceeds 1024 bytes")

@@ -68,6 +68,7 @@ def wait_kind(reason: str) -> str:
 class _Trace:
     span: trace.Span
     shard: int
+    epoch: int
     opened_by: int
     """``id()`` of the Message the span was opened for: a copy dropped later ends only its own span."""
     reading: Reading
@@ -121,16 +122,17 @@ class MessageTraces:
 
     # ---- what the runtime reports ----------------------------------------------------------
 
-    def stored(self, messages: Iterable[Message], owned: Callable[[str], bool]) -> None:
+    def stored(self, messages: Iterable[Message], epoch_of: Callable[[str], int | None]) -> None:
         """``messages`` made durable (or taken by the fast path, ``volatile``) at this pod; those
-        whose key another pod delivers (``owned`` False) are its owner's to trace."""
+        whose key another pod delivers (``epoch_of`` None: no engine here) are its owner's to trace."""
         if self._tracer is None:
             return
         now_ns = self._now_ns()
         for message in messages:
-            if not owned(message.key):
+            epoch = epoch_of(message.key)
+            if epoch is None:
                 continue
-            entry = self._get(message, 0)
+            entry = self._get(message, epoch)
             if entry is not None:
                 entry.span.add_event("fast_path" if message.volatile else "durable", timestamp=now_ns)
 
@@ -183,6 +185,9 @@ class MessageTraces:
                 out.append(self._carried(delivery))
                 continue
             self._count(entry.reading, delivery)
+            if delivery.epoch != entry.epoch:  # the shard came back at a new epoch meanwhile
+                entry.epoch = delivery.epoch
+                entry.span.set_attribute("sidecar.epoch", delivery.epoch)
             entry.attempts = max(entry.attempts, delivery.attempt)
             entry.delivery_ids.append(delivery.delivery_id)
             self._by_delivery[delivery.delivery_id] = _identity(delivery.message)
@@ -310,6 +315,7 @@ class MessageTraces:
         entry = _Trace(
             span,
             shard,
+            epoch,
             id(message),
             reading,
             format_traceparent(own.trace_id, own.span_id, int(own.trace_flags)),

@@ -357,7 +357,7 @@ class SubscriptionRuntime:
     def on_stored(self, messages: Sequence[Message]) -> None:
         """Messages the store made durable (PersistOutcome.STORED), in arrival order. Those of shards
         this pod does not own are left to their owner."""
-        self.traces.stored(messages, self._owns)
+        self.traces.stored(messages, self._epoch_of)
         self._loading.on_stored(messages)
 
     def take_fast(self, batch: Sequence[IncomingMessage]) -> list[Message | None]:
@@ -370,7 +370,7 @@ class SubscriptionRuntime:
         to Pub/Sub with it otherwise. None: store it as usual."""
         taken = self._fast_path.take(batch)
         if self.traces.enabled:
-            self.traces.stored([m for m in taken if m is not None], self._owns)
+            self.traces.stored([m for m in taken if m is not None], self._epoch_of)
         return taken
 
     def awaits_predecessor(self, incoming: IncomingMessage) -> bool:
@@ -491,8 +491,10 @@ class SubscriptionRuntime:
         self._shards.shard_lost(exc)
         self.traces.keep_shards(self.shards())
 
-    def _owns(self, key: str) -> bool:
-        return self._ctx.engines.for_key(key) is not None
+    def _epoch_of(self, key: str) -> int | None:
+        """The epoch of the engine that takes ``key``'s messages here (None: no engine here)."""
+        entry = self._ctx.engines.for_key(key)
+        return None if entry is None else entry.epoch
 
 
 def _shard(key: str, count: int) -> int:
