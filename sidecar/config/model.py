@@ -34,8 +34,9 @@ from pydantic_core import PydanticCustomError
 
 from sidecar.config.errors import ConfigError as ConfigError  # re-exported: callers catch it from here
 from sidecar.config.errors import Lines, describe, format_loc, line_of, read_yaml_file, type_name
+from sidecar.config.fields import MAX_SEQUENCE as MAX_SEQUENCE  # re-exported: classify reads it from here
+from sidecar.config.fields import PROJECT_PATTERN as _PROJECT
 from sidecar.config.fields import (
-    MAX_SEQUENCE,
     AttributeName,
     ByteSize,
     NonNegativeDurationMs,
@@ -44,7 +45,6 @@ from sidecar.config.fields import (
     SubscriptionName,
     TopicName,
 )
-from sidecar.config.fields import PROJECT_PATTERN as _PROJECT
 from sidecar.config.fields import StrictModel as _Model
 from sidecar.config.fields import check_collection_id as _check_collection_id
 from sidecar.config.fields import check_host_port as _check_host_port
