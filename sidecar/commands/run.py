@@ -3,7 +3,8 @@
 Rules:
 
 - Everything the user must fix is refused before any client is made or any log line written, with
-  one line on stderr and exit code 2: an invalid config file (``sidecar.config.model``), a
+  one line on stderr and exit code 2: an invalid config file (``sidecar.config.model``), a peer
+  secret file that cannot be read or is empty (``sidecar.config.peering``), a
   ``--grace-period`` that is not positive, no way to reach Pub/Sub, Firestore or (in watermark mode)
   Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``), a bad log setting.
 - The sidecar itself (``sidecar.wiring.app``) runs until SIGTERM/SIGINT or a component failure; its
@@ -22,6 +23,7 @@ from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from sidecar.config import credentials
 from sidecar.config.credentials import require_google_access
 from sidecar.config.model import ConfigError, config_error_exit, load_config
+from sidecar.config.peering import PeerSecretError, read_peer_secret
 from sidecar.ops.listening import ListenError
 from sidecar.ops.logs import setup_logging
 from sidecar.ops.tracing import TracingConfigError, exporter_name
@@ -34,6 +36,13 @@ def run_command(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         return config_error_exit(exc)
+    peering = config.peering
+    if peering is not None and peering.enabled and peering.secret_file:
+        try:
+            read_peer_secret(peering.secret_file)  # unreadable or empty: one line, exit 2, like a config error
+        except PeerSecretError as exc:
+            print(f"pubsub-sidecar: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if not args.grace_period > 0:
         print(f"pubsub-sidecar: --grace-period must be positive, got {args.grace_period}", file=sys.stderr)
         return EXIT_USAGE

@@ -51,6 +51,7 @@ from sidecar.config.fields import check_host_port as _check_host_port
 from sidecar.config.fields import check_listen as _check_listen
 from sidecar.config.fields import check_name as _check_name
 from sidecar.config.fields import check_project as _check_project
+from sidecar.config.peering import PeeringConfig
 from sidecar.config.relays import RelayConfig, resolve_topics, unique_relay_names
 from sidecar.config.tracing import TracingConfig
 from sidecar.engine.types import EngineConfig
@@ -343,6 +344,8 @@ class SidecarConfig(_Model):
     """Outbox relays (``sidecar.config.relays``): with relays, subscriptions may be left out."""
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     """A span per message, exported with OpenTelemetry (``sidecar.config.tracing``); off by default."""
+    peering: PeeringConfig | None = None
+    """The peer channel between pods (``sidecar.config.peering``); without the section it is off."""
 
     @model_validator(mode="before")
     @classmethod

@@ -224,6 +224,45 @@ class Metrics:
         self.registry.register(SidecarCollector(source))
 
 
+# ---- the peer channel (docs/forwarding.md) ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMetrics:
+    """The peer channel's counters at scrape time (``sidecar.wiring.peering`` reads them)."""
+
+    unauthenticated: int
+    """Peer calls refused with UNAUTHENTICATED: no secret, or a wrong one."""
+    answered: Mapping[str, int]
+    """As the owner: forwarded messages by answer (``accepted``, or the refusal's reason)."""
+    forwarded: Mapping[str, int]
+    """As the sender: forwarded messages by answer (``accepted``, a refusal's reason, ``broken``)."""
+
+
+class PeerCollector(Collector):
+    """``PeerMetrics`` as Prometheus families."""
+
+    def __init__(self, source: Callable[[], PeerMetrics]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._source()
+        yield CounterMetricFamily(
+            f"{PREFIX}_peer_unauthenticated",
+            "Peer calls refused with UNAUTHENTICATED (no shared secret, or a wrong one): alert on any increase.",
+            value=snap.unauthenticated,
+        )
+        families = {
+            "peer_answered": ("Messages other pods forwarded to this one, by its answer.", snap.answered),
+            "peer_forwarded": ("Messages this pod forwarded to their owner, by the answer.", snap.forwarded),
+        }
+        for name, (doc, counts) in families.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["answer"])
+            for answer, count in sorted(counts.items()):
+                family.add_metric([answer], count)
+            yield family
+
+
 ReadinessCheck = Callable[[], Awaitable[None]]
 """Raises (anything) when the dependency is not reachable."""
 

@@ -382,6 +382,10 @@ class Ingestor:
         if errors:
             raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]
 
+    def set_forwarder(self, forwarder: Forwarder | None) -> None:
+        """Forward messages of other pods' shards to their owners (``ingest_sort``); before ``start``."""
+        self._sorter.forwarder = forwarder
+
     def take_forwarded(self, message: ForwardedMessage) -> bool:
         """Take a message another pod forwarded as this pod's own intake (its ``ack``/``nack`` answer
         that pod); False, taking nothing, unless pulling runs and the runtime is ready."""

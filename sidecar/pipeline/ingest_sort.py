@@ -157,7 +157,8 @@ class Sorter:
         """Keys with messages in a persist in progress (fast path only): how many."""
         self._deferred: dict[str, list[Received]] = {}
         """Messages waiting, by key, for the persists of their key in progress (``_defer``)."""
-        self._forwarder = forwarder
+        self.forwarder = forwarder
+        """Takes messages of shards other pods own to their owners; None: the inbox's way only."""
         self.forwarding = 0
         """Messages handed to the forwarder and not answered yet."""
 
@@ -239,7 +240,7 @@ class Sorter:
 
     def _forward(self, batch: list[Received]) -> list[Received]:
         """Hand each message whose key's shard another pod owns to the forwarder; returns the rest."""
-        forwarder = self._forwarder
+        forwarder = self.forwarder
         runtime = self._runtime
         if forwarder is None or not runtime.sharded or not batch:
             return batch
