@@ -6,8 +6,9 @@ One subscription's parts are made in ``sidecar.wiring.subscription``, what they 
 ``sidecar.ops`` is read in ``sidecar.wiring.reporting``, and the stop sequence is
 ``sidecar.wiring.shutdown``'s.
 
-Start: the gRPC and HTTP listeners are bound first (an address in use, e.g. a second sidecar on a
-running one's port, stops the start there: one line on stderr, exit 2, nothing else ran) -> store
+Start: the gRPC, peer (with ``peering``) and HTTP listeners are bound first (an address in use, e.g.
+a second sidecar on a running one's port, stops the start there: one line on stderr, exit 2, nothing
+else ran) -> store
 and dead-letter publisher -> one runtime per subscription, each with its shard leases
 (``sidecar.cluster.leases``) carried out by ``sidecar.wiring.ownership`` (gRPC health NOT_SERVING meanwhile) ->
 runtimes ready (nothing is delivered before a shard is loaded) -> runtimes'
@@ -45,13 +46,14 @@ from sidecar.config.model import SidecarConfig
 from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.delivery.server import GrpcServer
 from sidecar.ops.listening import ListenError, ensure_tcp_port_free
-from sidecar.ops.observability import HttpEndpoint, Metrics, Readiness
+from sidecar.ops.observability import HttpEndpoint, Metrics, PeerCollector, Readiness
 from sidecar.ops.tracing import TraceCounters, TracingCollector, start_tracing
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable, first_cause
 from sidecar.store import documents as docs
 from sidecar.store.api import SubscriptionStoreConfig
 from sidecar.store.firestore import FirestoreStore, check_deployment
 from sidecar.store.timed import TimedStore
+from sidecar.wiring.peering import Peering, make_peering
 from sidecar.wiring.reporting import LatencyObserver, metrics_snapshot, readiness_checks, stuck
 from sidecar.wiring.shutdown import close_quietly, collect, shutdown
 from sidecar.wiring.subscription import SubscriptionParts, assemble_subscription, pod_identity
@@ -72,6 +74,8 @@ class Sidecar:
     """Long-running tasks of the components (ingest, watermark, runtime): one ending means failure."""
     _freeze: asyncio.Future[None] | None = None
     """Freezes what the first recovery loaded, once its pending pages are restored."""
+    _peering: Peering | None = None
+    """The peer channel (``sidecar.wiring.peering``): None without ``peering`` in the config."""
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
@@ -170,6 +174,11 @@ class Sidecar:
             if parts.leases is not None:
                 leases_by_sub[sub.name] = parts.leases
             subs[sub.name] = parts
+        # The peer channel: messages of other pods' shards forwarded to their owners (docs/forwarding.md).
+        self._peering = make_peering(config, pod, store.documents, subs)
+        if self._peering is not None:
+            clients.push_async_callback(close_quietly, "peer channel", self._peering.close)
+            self.metrics.registry.register(PeerCollector(self._peering.metrics))
         # Tracing (sidecar.ops.tracing): one provider for the process, closed after the runtimes
         # stopped (spans end as acks are confirmed); its counters are exported tracing on or off.
         trace_counters = TraceCounters()
@@ -198,6 +207,8 @@ class Sidecar:
         host, _, port = self.config.http.rpartition(":")
         ensure_tcp_port_free(host, int(port), "http")
         grpc_address = await grpc_server.start()
+        if self._peering is not None:
+            await self._peering.start()
         await http.start()
         return grpc_address
 
