@@ -23,6 +23,7 @@ through the API, ``opentelemetry.trace``, by ``sidecar.pipeline.message_traces``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -190,7 +191,8 @@ class Tracing:
             try:
                 self.provider.shutdown()
             finally:
-                loop.call_soon_threadsafe(finish)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(finish)
 
         def finish() -> None:
             if not done.done():
