@@ -9,7 +9,9 @@ Rules:
   Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``), a bad log setting.
 - The sidecar itself (``sidecar.wiring.app``) runs until SIGTERM/SIGINT or a component failure; its
   ``failure`` is the exit code: none 0; an address in use (``ListenError``, one line already
-  printed, nothing else ran) 2; any other 1, so that Kubernetes restarts the container.
+  printed, nothing else ran) or a relay whose topic takes no publishes from this process
+  (``RelayRefused``, one line, checked before anything runs) 2; any other 1, so that Kubernetes
+  restarts the container.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sidecar.config.peering import PeerSecretError, read_peer_secret
 from sidecar.ops.listening import ListenError
 from sidecar.ops.logs import setup_logging
 from sidecar.ops.tracing import TracingConfigError, exporter_name
+from sidecar.publishing.relay import RelayRefused
 from sidecar.wiring.app import serve_until_stopped
 
 
@@ -61,6 +64,6 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"pubsub-sidecar: {exc}", file=sys.stderr)
         return EXIT_USAGE
     sidecar = asyncio.run(serve_until_stopped(config, args.grace_period))
-    if isinstance(sidecar.failure, ListenError):
+    if isinstance(sidecar.failure, ListenError | RelayRefused):  # one line already printed
         return EXIT_USAGE
     return EXIT_FAILED if sidecar.failure is not None else EXIT_OK
