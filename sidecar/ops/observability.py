@@ -177,7 +177,8 @@ class SidecarCollector(Collector):
             "Messages received from Pub/Sub and not yet acked or nacked to it, by where they wait: handoff "
             "(from the client's thread), unsorted, held (for a missing predecessor), deferred (behind a store "
             "of their key), to_store, storing, fast_path (delivered unstored, ack not yet durable), "
-            "nack_scheduled (a failed store, given back after a backoff); unsettled counts them all (dead-letter "
+            "nack_scheduled (a failed store, given back after a backoff), forwarding (handed to the key's owner, "
+            "not answered yet); unsettled counts them all (dead-letter "
             "publishes under way too).",
             labels=["subscription", "stage"],
         )
