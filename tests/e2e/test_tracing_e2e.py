@@ -194,3 +194,41 @@ async def test_spans_link_to_the_publishers_context_and_the_app_continues_the_tr
     )
     assert sidecar.metric("pubsub_sidecar_trace_spans_dropped_total") == 0
     assert sidecar.terminate() == 0
+
+
+async def test_an_exporter_that_cannot_connect_never_holds_delivery_back(scenario: Scenario) -> None:
+    """Tracing on, the OTLP endpoint a port nobody listens on, a queue of 4: every message is
+    delivered and confirmed, and every span is counted: dropped (the queue was full) or failed.
+    (That a full queue drops rather than waits is shown exactly in tests/ops/test_tracing.py.)"""
+    sub = scenario.add_subscription("untraced")
+    closed = OtlpReceiver().start()
+    closed.stop()  # the port was ours a moment ago: nothing listens there now
+    path = scenario.config_path()
+    body: dict[str, Any] = yaml.safe_load(path.read_text())
+    body["tracing"] = {"enabled": True, "max_queue_size": 4}
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    env = {
+        **scenario.emulators.env,
+        **closed.env(),
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    sidecar = SidecarProcess(path, env)
+    scenario.sidecars.append(sidecar)
+    sidecar.start(wait_ready=False)
+    await sidecar.async_wait_ready()
+    app = scenario.app(sub)
+
+    await scenario.pubsub.publish_all(sub.topic, [order_message(f"k{i % 10}", i // 10 + 1) for i in range(40)])
+
+    await async_wait_until(lambda: len(app.confirmed_at) >= 40, "all 40 messages acked and confirmed")
+    await async_wait_until(
+        lambda: (
+            sidecar.metric("pubsub_sidecar_trace_spans_dropped_total")
+            + sidecar.metric("pubsub_sidecar_trace_spans_export_failed_total")
+            == 40
+        ),
+        "every span dropped or counted as failed",
+    )
+    assert sidecar.metric("pubsub_sidecar_trace_spans_exported_total") == 0
+    assert sidecar.terminate() == 0
