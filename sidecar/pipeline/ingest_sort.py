@@ -191,7 +191,8 @@ class Sorter:
     def on_message(self, message: PulledMessage, *, from_peer: bool = False) -> None:
         """The subscriber's callback; ``LoopScheduler`` runs it on the loop. ``from_peer``: another pod
         forwarded it (``Ingestor.take_forwarded``)."""
-        self._counters.received += 1
+        if not from_peer:
+            self._counters.received += 1  # from Pub/Sub; forwarded ones count as ``forwarded_in``
         self._settlement.receive(message)
         if self._is_stopping():
             return  # held; stop() nacks it with the rest

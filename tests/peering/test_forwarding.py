@@ -38,7 +38,7 @@ async def test_a_forwarded_in_order_message_is_delivered_by_the_owner_and_acked_
     await pods.publish("A", 1)
     delivery = await _take_one(pods)
     assert delivery.message.sequence == 1 and delivery.message.volatile, "the owner's fast path took it"
-    assert owner.counters.forwarded_in == 1
+    assert owner.counters.forwarded_in == 1 and owner.counters.received == 0, "not received from Pub/Sub"
     # The owner's app has not acked: the sender still holds the message, unacked with Pub/Sub.
     assert sender.counters.acked == 0 and sender.held_messages == 1
     result = await pods.owner.runtime.ack("app", [delivery.delivery_id])
