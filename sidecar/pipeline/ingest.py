@@ -19,7 +19,8 @@ Rules (G1 in DESIGN §1 depends on each of them):
 - **Ack only what is safe.** A Pub/Sub message is acked only after the store said it is durable
   (STORED, after ``runtime.on_stored``; or DUPLICATE: an earlier copy is durable), after its app ack
   is durable (the in-order fast path: ``runtime.take_fast``, settled by ``on_volatile_settled``), or
-  after the dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good).
+  after the dead-letter topic accepted it (malformed, CONFLICT, or rejected by the store for good),
+  or after the key's owner answered that its outcome is durable there (forwarded: docs/forwarding.md).
   Nothing is ever acked on a failure path, and nothing is ever dropped: a message not acked is
   nacked or left to its lease, and Pub/Sub delivers it again. Each module's docstring says its part.
 - **Sorted as they come** (``_batch_loop``): received messages are sorted at once (the fast path
