@@ -70,6 +70,8 @@ class Scenario:
     """Runs only when named: not part of the default run (its minutes go to pod start-ups and waits)."""
     window: int = 1
     """``delivery.max_in_flight_per_key``: messages of one key in flight at once."""
+    tracing: bool = False
+    """``tracing: {enabled: true}``, exporting over OTLP/gRPC to a receiver in the bench process."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -79,6 +81,15 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("seq-1key", "sidecar", "sequence", 1, "sequence mode, one hot key"),
         Scenario("seq-1key-w32", "sidecar", "sequence", 1, "sequence mode, one hot key, window 32", window=32),
         Scenario("seq-100keys", "sidecar", "sequence", 100, "sequence mode, 100 keys"),
+        Scenario(
+            "seq-100keys-traced",
+            "sidecar",
+            "sequence",
+            100,
+            "seq-100keys with tracing on (OTLP to a local receiver)",
+            opt_in=True,
+            tracing=True,
+        ),
         Scenario("seq-10000keys", "sidecar", "sequence", 10_000, "sequence mode, 10,000 keys"),
         Scenario("dedup-100keys", "sidecar", "none", 100, "dedup only (mode none), 100 keys"),
         Scenario("watermark-100keys", "sidecar", "watermark", 100, "watermark mode, 100 keys"),

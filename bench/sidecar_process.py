@@ -182,13 +182,17 @@ class Sidecar:
         return [line for line in lines if '"severity": "ERROR"' in line or '"severity": "CRITICAL"' in line]
 
 
-def write_sidecar_config(path: Path, *, root: str, subscription: Mapping[str, Any]) -> Path:
-    body = {
+def write_sidecar_config(
+    path: Path, *, root: str, subscription: Mapping[str, Any], tracing: Mapping[str, Any] | None = None
+) -> Path:
+    body: dict[str, Any] = {
         "project": PROJECT,
         "listen": "127.0.0.1:0",
         "http": "127.0.0.1:0",
         "firestore": {"database": "(default)", "root": root},
         "subscriptions": [dict(subscription)],
     }
+    if tracing is not None:
+        body["tracing"] = dict(tracing)
     path.write_text(yaml.safe_dump(body, sort_keys=False))
     return path

@@ -26,6 +26,7 @@ import uuid
 
 from bench.app import BenchApp, wait_acks_durable
 from bench.harness import cpu_seconds, peak_rss_mb, percentile
+from bench.otlp_receiver import OtlpReceiver
 from bench.pubsub_clients import Outgoing
 from bench.run_context import RunContext
 from bench.scenarios import Result, Scenario, Sizes
@@ -85,14 +86,19 @@ async def run_sidecar(context: RunContext, scenario: Scenario) -> Result:
     stream, distinct = build_stream(count, scenario.keys, "throughput", "k-", seed=1)
     latency_stream, latency_distinct = _latency_stream(context, scenario)
     total_distinct = distinct + latency_distinct
+    # Tracing on: every span goes over OTLP/gRPC to a receiver in this process (counted, not kept).
+    receiver = OtlpReceiver(keep=False).start() if scenario.tracing else None
     config = write_sidecar_config(
         context.workdir / f"{scenario.name}.yaml",
         root=f"bench-{scenario.name}-{uuid.uuid4().hex[:6]}",
         subscription=subscription_entry(scenario, subscription),
+        tracing={"enabled": True} if receiver is not None else None,
     )
-    sidecar = Sidecar(config, context.emulators.env)
+    env = dict(context.emulators.env) | (receiver.env() if receiver is not None else {})
+    sidecar = Sidecar(config, env)
     sidecar.start()
     app: BenchApp | None = None
+    tracing: dict[str, float] = {}
     try:
         await asyncio.to_thread(sidecar.wait_ready)
         context.emulators.reset_firestore_counters()
@@ -115,10 +121,18 @@ async def run_sidecar(context: RunContext, scenario: Scenario) -> Result:
         duplicates_dropped = sidecar.metric("pubsub_sidecar_duplicates_total")
         dead_lettered = sidecar.metric("pubsub_sidecar_dead_lettered_total")
         error_logs = sidecar.error_log_lines()
+        if receiver is not None:
+            tracing = {
+                name: sidecar.metric(f"pubsub_sidecar_trace_spans_{name}_total")
+                for name in ("exported", "dropped", "export_failed", "not_recorded")
+            }
     finally:
         if app is not None:
             await app.stop()
         exit_code = await asyncio.to_thread(sidecar.stop)
+        if receiver is not None:
+            tracing["received_by_the_receiver"] = receiver.span_count
+            receiver.stop()
     counters = context.emulators.firestore_counters()
     return Result(
         scenario.name,
@@ -146,6 +160,7 @@ async def run_sidecar(context: RunContext, scenario: Scenario) -> Result:
             "firestore": counters,
             "latency_rate_per_second": rate,
             "sidecar_exit_code": exit_code,
+            **({"tracing_spans": tracing} if tracing else {}),
         },
     )
 
