@@ -5,7 +5,8 @@ Rules:
 - Everything the user must fix is refused before any client is made or any log line written, with
   one line on stderr and exit code 2: an invalid config file (``sidecar.config.model``), a peer
   secret file that cannot be read or is empty (``sidecar.config.peering``), a
-  ``--grace-period`` that is not positive, no way to reach Pub/Sub, Firestore or (in watermark mode)
+  ``--grace-period`` that is not positive, with tracing on an ``OTEL_*`` environment naming an
+  exporter the sidecar does not ship (``sidecar.ops.tracing``), no way to reach Pub/Sub, Firestore or (in watermark mode)
   Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``), a bad log setting.
 - The sidecar itself (``sidecar.wiring.app``) runs until SIGTERM/SIGINT or a component failure; its
   ``failure`` is the exit code: none 0; an address in use (``ListenError``, one line already
@@ -53,7 +54,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             exporter_name(os.environ)
         except TracingConfigError as exc:
-            print(f"pubsub-sidecar: tracing: {exc}", file=sys.stderr)
+            print(f"pubsub-sidecar run: tracing: {exc}", file=sys.stderr)
             return EXIT_USAGE
     watermark = any(sub.ordering.mode == "watermark" for sub in config.subscriptions)
     # GoogleAccessMissing: one line and exit 2 (sidecar.commands.main), before any client or log line.
