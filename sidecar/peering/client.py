@@ -67,6 +67,8 @@ class ForwarderStats:
     """What the forwarder did since it started (metrics, tests)."""
 
     sent: int = 0
+    batches: int = 0
+    """Requests written (each a batch of one subscription's messages)."""
     accepted: int = 0
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     """Answers False by reason: the owner's refusals (``not_owner``, ...) and ``broken`` (stream ended)."""
@@ -193,6 +195,7 @@ class _Link:
                 for request in self._take_requests():
                     await call.write(request)
                     forwarder.stats.sent += len(request.messages)
+                    forwarder.stats.batches += 1
             error = reader.exception()
         except asyncio.CancelledError:
             error = None

@@ -93,14 +93,23 @@ class Pod:
 class TwoPods:
     """The sender and the owner (see the module docstring); ``close()`` stops everything."""
 
-    def __init__(self, admin: PubSubAdmin, *, sender_secret: bytes | None = SECRET, **server_kwargs: Any) -> None:
+    def __init__(
+        self,
+        admin: PubSubAdmin,
+        *,
+        sender_secret: bytes | None = SECRET,
+        forwarder_kwargs: dict[str, Any] | None = None,
+        **server_kwargs: Any,
+    ) -> None:
         self.admin = admin
         self.documents = MemoryDocuments()
         self.sender = Pod("sender", self.documents)
         self.owner = Pod("owner", self.documents)
         self.directory = StaticDirectory()
         self.server = PeerServer("127.0.0.1:0", PeerCredentials(SECRET), **server_kwargs)
-        self.forwarder = PeerForwarder(self.directory, PeerCredentials(sender_secret), retry_initial_seconds=0.05)
+        self.forwarder = PeerForwarder(
+            self.directory, PeerCredentials(sender_secret), retry_initial_seconds=0.05, **(forwarder_kwargs or {})
+        )
         self.dead_letters = DeadLetterPublisher({SUB: None})
         self.topic = ""
         self.subscription = ""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 
 import pytest
 from peer_harness import TwoPods, shard_of_key
 from pubsub_admin import wait_until
 
+from sidecar.pipeline.ingest_forwarded import ForwardedMessage
 from sidecar.store import documents as docs
 
 pytestmark = pytest.mark.timeout(120)
@@ -205,3 +207,61 @@ async def test_a_frame_over_the_owners_size_bound_is_refused_and_the_message_tak
     await _nothing_more(pods)
     assert pods.owner.ingestor is not None and pods.owner.ingestor.counters.forwarded_in == 0
     assert pods.forwarder.stats.refused["broken"] == 1 and sender.counters.stored_for_owner == 1
+
+
+async def test_past_the_senders_window_a_message_is_stored_for_the_owner_at_once(make_pods) -> None:
+    pods = await make_pods(forwarder_kwargs={"window": 1}).start()
+    sender = pods.sender.ingestor
+    assert sender is not None and pods.owner.runtime is not None
+    await pods.publish("L", 1)
+    first = await _take_one(pods)  # its answer waits for the owner's app: the window stays full
+    await pods.publish("M", 1)
+    await wait_until(lambda: sender.counters.stored_for_owner == 1, "stored for the owner: the window is full")
+    assert sender.counters.forward_refused == 0, "declined at once, never sent"
+    await pods.owner.runtime.ack("app", [first.delivery_id])
+    assert await _deliver_all(pods, 1) == [("M", 1)]
+    await _nothing_more(pods)
+    assert (sender.counters.forwarded, sender.counters.acked) == (1, 2)
+
+
+async def test_many_messages_of_several_keys_go_in_batches_and_arrive_in_order_per_key(make_pods) -> None:
+    pods = await make_pods().start()
+    sender = pods.sender.ingestor
+    assert sender is not None
+    keys = ["N", "P", "Q"]
+    futures = [
+        pods.admin.publisher.publish(pods.topic, f"{key}:{seq}".encode(), order_id=key, seq=str(seq))
+        for seq in range(1, 21)
+        for key in keys
+    ]
+    for future in futures:
+        await asyncio.wrap_future(future)
+    seen = await _deliver_all(pods, 60)
+    for key in keys:
+        assert [seq for k, seq in seen if k == key] == list(range(1, 21)), key
+    await _nothing_more(pods)
+    assert sender.counters.forwarded == 60 and sender.counters.stored_for_owner == 0
+
+
+async def test_messages_taken_together_are_sent_in_batches_within_the_bound_and_each_answered_once(make_pods) -> None:
+    pods = await make_pods(forwarder_kwargs={"max_batch_messages": 8}).start()
+    answers: list[tuple[int, bool]] = []
+    now = datetime.datetime.now(datetime.UTC)
+    for seq in range(1, 31):
+        message = ForwardedMessage(
+            message_id=f"m{seq}",
+            data=f"R:{seq}".encode(),
+            attributes={"order_id": "R", "seq": str(seq)},
+            ordering_key="",
+            publish_time=now,
+            delivery_attempt=0,
+            on_settled=lambda accepted: None,
+        )
+        taken = pods.forwarder.forward(
+            "orders", shard_of_key("R"), message, lambda accepted, seq=seq: answers.append((seq, accepted))
+        )
+        assert taken
+    assert await _deliver_all(pods, 30) == [("R", seq) for seq in range(1, 31)]
+    await wait_until(lambda: len(answers) == 30, "every message answered")
+    assert sorted(answers) == [(seq, True) for seq in range(1, 31)]
+    assert (pods.forwarder.stats.sent, pods.forwarder.stats.batches) == (30, 4), "taken together: 8+8+8+6"
