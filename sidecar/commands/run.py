@@ -6,8 +6,9 @@ Rules:
   one line on stderr and exit code 2: an invalid config file (``sidecar.config.model``), a peer
   secret file that cannot be read or is empty (``sidecar.config.peering``), a
   ``--grace-period`` that is not positive, with tracing on an ``OTEL_*`` environment naming an
-  exporter the sidecar does not ship (``sidecar.ops.tracing``), no way to reach Pub/Sub, Firestore or (in watermark mode)
-  Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``), a bad log setting.
+  exporter the sidecar does not ship (``sidecar.ops.tracing``), no way to reach Pub/Sub, Firestore
+  or (in watermark mode) Monitoring (``GoogleAccessMissing``, printed by ``sidecar.commands.main``),
+  a bad log setting.
 - The sidecar itself (``sidecar.wiring.app``) runs until SIGTERM/SIGINT or a component failure; its
   ``failure`` is the exit code: none 0; an address in use (``ListenError``, one line already
   printed, nothing else ran) or a relay whose topic takes no publishes from this process
