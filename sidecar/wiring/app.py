@@ -49,11 +49,13 @@ from sidecar.ops.listening import ListenError, ensure_tcp_port_free
 from sidecar.ops.observability import HttpEndpoint, Metrics, PeerCollector, Readiness
 from sidecar.ops.tracing import TraceCounters, TracingCollector, start_tracing
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable, first_cause
+from sidecar.publishing.relay import RelayRefused
 from sidecar.store import documents as docs
 from sidecar.store.api import SubscriptionStoreConfig
 from sidecar.store.firestore import FirestoreStore, check_deployment
 from sidecar.store.timed import TimedStore
 from sidecar.wiring.peering import Peering, make_peering
+from sidecar.wiring.relays import Relays
 from sidecar.wiring.reporting import LatencyObserver, metrics_snapshot, readiness_checks, stuck
 from sidecar.wiring.shutdown import close_quietly, collect, shutdown
 from sidecar.wiring.subscription import SubscriptionParts, assemble_subscription, pod_identity
@@ -76,6 +78,8 @@ class Sidecar:
     """Freezes what the first recovery loaded, once its pending pages are restored."""
     _peering: Peering | None = None
     """The peer channel (``sidecar.wiring.peering``): None without ``peering`` in the config."""
+    _relays: Relays | None = None
+    """The outbox relays (``sidecar.wiring.relays``), made by ``_build``."""
 
     def request_stop(self) -> None:
         if not self._stop.is_set():
@@ -100,6 +104,13 @@ class Sidecar:
                 print(f"pubsub-sidecar: {exc}", file=sys.stderr, flush=True)
                 await grpc_server.stop(0)
                 return
+            try:  # a relay whose topic takes no publishes from here: one line, exit 2 (as above)
+                await self._relays_or_none().check()
+            except RelayRefused as exc:
+                self.failure = exc
+                print(f"pubsub-sidecar: {exc}", file=sys.stderr, flush=True)
+                await grpc_server.stop(0)
+                return
             # Index exemptions and the TTL policy (docs/operations.md): a warning per missing piece,
             # naming the command; never a reason not to start, so it runs beside the start.
             deployment_check = asyncio.create_task(
@@ -116,6 +127,7 @@ class Sidecar:
                 if self._freeze is not None:
                     self._freeze.cancel()
                 readiness.mark_shutting_down()
+                await self._relays_or_none().stop()  # hand the relays' shards over first
                 errors = await shutdown(subs, grpc_server, http, self.grace_seconds, stopped)
                 for step, step_error in errors:
                     _LOGGER.error("shutdown step %s failed: %r", step, step_error)
@@ -190,6 +202,10 @@ class Sidecar:
         for s in subs.values():
             s.runtime.traces.configure(trace_counters, tracer, config.tracing.max_open_spans)
         self.metrics.registry.register(TracingCollector(trace_counters, subs))
+        # The outbox relays (``relays:``, docs/publishing.md): their own Firestore clients and publisher.
+        self._relays = Relays(config, pod)
+        clients.push_async_callback(close_quietly, "relays", self._relays.close)
+        self.metrics.registry.register(self._relays.collector())
         grpc_server = GrpcServer(
             {name: s.runtime for name, s in subs.items()},
             config.listen,
@@ -226,6 +242,7 @@ class Sidecar:
             await s.runtime.recover()
             await s.runtime.start()
         watchers = self._watchers
+        self._relays_or_none().start(watchers)
         for name, s in subs.items():
             if s.leases is not None and s.listen_leases is not None:
                 s.lease_listen = s.listen_leases()
@@ -278,6 +295,9 @@ class Sidecar:
             else:
                 self.failure = RuntimeError(f"{what} ended unexpectedly")
                 _LOGGER.critical("%s ended unexpectedly; stopping", what)
+
+    def _relays_or_none(self) -> Relays:
+        return self._relays if self._relays is not None else Relays(self.config, "")
 
     async def _first_rounds_loaded(self, subs: dict[str, SubscriptionParts]) -> bool:
         """Wait until every subscription's first lease round is loaded; False when a stop was
