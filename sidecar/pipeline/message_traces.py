@@ -14,10 +14,11 @@ asks it for each delivery's ``traceparent`` (``delivered``). The engine knows no
   ``process <subscription>``, linked to the message's creation context and a child of it. It starts
   when the message's persist began (``stored_at_ms``: event ``received``) and ends when its ack is
   confirmed (outcome ``acked``), when it is dead-lettered (``dead_lettered``), dropped as a copy of
-  nothing held (``duplicate``), or when this pod stops delivering its shard (``handed_over``: the
-  next owner records its own span). Events on the way: ``durable`` (or ``fast_path``: taken in
-  order, not stored), ``held`` (with the engine's reason), ``released`` (``by``: ``order`` or
-  ``watermark``), ``delivered`` (delivery id, attempt), ``acked``, ``nacked``, ``confirmed``.
+  nothing held (``duplicate``), when this pod stops delivering its shard (``handed_over``: the
+  next owner records its own span) or when the runtime stops (``stopped``). Events on the way:
+  ``durable`` (or ``fast_path``: taken in order, not stored; ``copy_stored`` for a later copy),
+  ``held`` (with the engine's reason), ``released`` (``by``: ``order`` or ``watermark``),
+  ``delivered`` (delivery id, attempt), ``acked``, ``nacked``, ``confirmed``.
 - **Attributes**: the key, the position (``sidecar.sequence`` or ``sidecar.event_time_ms``), the
   subscription, the shard and lease epoch, ``sidecar.waited_for`` (what the message waited on:
   ``gap``, ``watermark``, ``dead_letter``, ``backoff``, ``loading``), the attempts and the outcome.
@@ -76,6 +77,8 @@ class _Trace:
     waited: list[str] = field(default_factory=list)
     delivery_ids: list[str] = field(default_factory=list)
     attempts: int = 0
+    stored: bool = False
+    """``durable`` (or ``fast_path``) recorded: a copy stored later is ``copy_stored``."""
 
 
 class MessageTraces:
@@ -133,7 +136,12 @@ class MessageTraces:
             if epoch is None:
                 continue
             entry = self._get(message, epoch)
-            if entry is not None:
+            if entry is None:
+                continue
+            if entry.stored:
+                entry.span.add_event("copy_stored", timestamp=now_ns)
+            else:
+                entry.stored = True
                 entry.span.add_event("fast_path" if message.volatile else "durable", timestamp=now_ns)
 
     def decided(self, shard: int, epoch: int, actions: Sequence[Action]) -> None:
@@ -232,6 +240,12 @@ class MessageTraces:
             if entry.shard not in shards:
                 entry.span.add_event("handed_over", timestamp=self._now_ns())
                 self._end_identity(identity, "handed_over")
+
+    def end_all(self) -> None:
+        """The runtime stopped: every open span ends (outcome ``stopped``; the message stays pending,
+        and the next process to deliver it records a span of its own)."""
+        for identity in list(self._open):
+            self._end_identity(identity, "stopped")
 
     # ---- inside ----------------------------------------------------------------------------
 

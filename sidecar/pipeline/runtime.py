@@ -293,6 +293,7 @@ class SubscriptionRuntime:
         self._loading.cancel_all()
         task = self._task
         if task is None or task.done():
+            self.traces.end_all()
             return
         try:
             if not self._acks.idle.is_set():
@@ -307,6 +308,8 @@ class SubscriptionRuntime:
                 raise  # we ourselves were cancelled
         except Exception:
             pass  # already logged by _on_task_done; stop() must not raise for a failure seen before
+        finally:
+            self.traces.end_all()  # after the last acks were confirmed (their spans ended acked)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -104,3 +104,17 @@ def test_a_copy_dropped_beside_its_held_original_ends_nothing_and_one_that_opene
     span = only(exporter.get_finished_spans())
     assert span.attributes is not None and span.attributes["sidecar.outcome"] == "duplicate"
     assert traced.open_spans == 1  # the original's span goes on
+
+
+def test_a_later_copy_is_noted_on_the_original_and_a_stop_ends_every_open_span() -> None:
+    traced, exporter, _ = traces()
+    original = message("key-0", 2)
+    traced.stored([original], lambda key: 0)
+    traced.stored([message("key-0", 2)], lambda key: 0)  # Pub/Sub delivered it again
+
+    traced.end_all()
+
+    span = only(exporter.get_finished_spans())
+    assert [e.name for e in span.events] == ["received", "durable", "copy_stored"]
+    assert span.attributes is not None and span.attributes["sidecar.outcome"] == "stopped"
+    assert traced.open_spans == 0
