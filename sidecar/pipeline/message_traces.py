@@ -178,7 +178,7 @@ class MessageTraces:
             entry = self._open.get(_identity(delivery.message))
             if entry is not None:
                 by = "watermark" if "watermark" in entry.waited else "order"
-                entry.span.add_event("released", {"by": by, "attempt": delivery.attempt}, now_ns)
+                entry.span.add_event("released", {"by": by}, now_ns)
 
     def delivered(self, deliveries: Sequence[Deliver]) -> list[str]:
         """The ``traceparent`` of each delivery, for the app (payloads read back already); records
@@ -219,7 +219,7 @@ class MessageTraces:
             if entry is not None:
                 if not dead_letter and "backoff" not in entry.waited:
                     entry.waited.append("backoff")
-                entry.span.add_event("nacked", {"delivery_id": delivery_id, "dead_letter": dead_letter}, self._now_ns())
+                entry.span.add_event("nacked", {"dead_letter": dead_letter}, self._now_ns())
 
     def confirmed(self, delivery_ids: Iterable[str]) -> None:
         """Acks made durable: the message is done; its span ends."""
@@ -229,7 +229,7 @@ class MessageTraces:
             identity = self._by_delivery.get(delivery_id)
             entry = None if identity is None else self._open.get(identity)
             if identity is not None and entry is not None:
-                entry.span.add_event("confirmed", {"delivery_id": delivery_id}, self._now_ns())
+                entry.span.add_event("confirmed", timestamp=self._now_ns())
                 self._end_identity(identity, "acked")
 
     def keep_shards(self, shards: Mapping[int, int]) -> None:
@@ -266,7 +266,7 @@ class MessageTraces:
         for delivery_id in delivery_ids:
             entry = self._by_id(delivery_id)
             if entry is not None:
-                entry.span.add_event(name, {"delivery_id": delivery_id}, self._now_ns())
+                entry.span.add_event(name, timestamp=self._now_ns())
 
     def _by_id(self, delivery_id: str) -> _Trace | None:
         identity = self._by_delivery.get(delivery_id)
@@ -347,9 +347,13 @@ class MessageTraces:
         for delivery_id in entry.delivery_ids:
             self._by_delivery.pop(delivery_id, None)
         span = entry.span
-        span.set_attribute("sidecar.outcome", outcome)
-        span.set_attribute("sidecar.waited_for", entry.waited)
-        span.set_attribute("sidecar.delivery_attempts", entry.attempts)
+        span.set_attributes(
+            {
+                "sidecar.outcome": outcome,
+                "sidecar.waited_for": entry.waited,
+                "sidecar.delivery_attempts": entry.attempts,
+            }
+        )
         span.end(self._now_ns())
 
 
