@@ -7,6 +7,8 @@ Rules (docs/forwarding.md; G1 in DESIGN §1 depends on the first):
   still unanswered when its stream ends in any way (an error such as UNAVAILABLE, the owner's end,
   our own close). The sorter stores a message answered False for its owner (``inbox``): a message
   whose outcome was in fact durable at the owner is then a second copy, which the owner's dedup drops.
+- **Stale routes are read again.** A ``NOT_OWNER`` or ``STALE_EPOCH`` answer, or a stream that
+  ended with the message unanswered, makes the directory ``forget`` the shard's route.
 - **One channel per owner address**, reused; on it one ``Forward`` stream at a time, opened when a
   message is to be sent. A stream that ends marks the address unusable for a capped, jittered backoff
   (``sidecar.backoff``), during which ``forward`` declines at once (the inbox's way), so that a dead
@@ -54,6 +56,9 @@ _ENVELOPE_BYTES = 64 * 1024
 
 _RETRY_INITIAL_SECONDS = 0.2
 _RETRY_MAXIMUM_SECONDS = 10.0
+
+_STALE_ROUTE = frozenset({peer_pb2.Outcome.NOT_OWNER, peer_pb2.Outcome.STALE_EPOCH})
+"""Refusals that say the directory's route was wrong."""
 
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -134,8 +139,8 @@ class _Link:
         self.address = address
         self._channel: grpc.aio.Channel | None = None
         self._queue: collections.deque[tuple[str, peer_pb2.ForwardedMessage]] = collections.deque()
-        self.answers: dict[int, Callable[[bool], None]] = {}
-        """local id -> answer, for every message taken (queued or sent) and not answered."""
+        self.answers: dict[int, tuple[str, int, Callable[[bool], None]]] = {}
+        """local id -> (subscription, shard, answer), for every message taken (queued or sent) and not answered."""
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -164,7 +169,7 @@ class _Link:
         )
         forwarded.publish_time.FromDatetime(_aware(message.publish_time))
         self._queue.append((subscription, forwarded))
-        self.answers[local_id] = on_answer
+        self.answers[local_id] = (subscription, shard, on_answer)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"peer-forward:{self.address}")
         self._wake.set()
@@ -217,15 +222,18 @@ class _Link:
             if response is grpc.aio.EOF:
                 return
             for outcome in response.outcomes:
-                answer = self.answers.pop(outcome.local_id, None)
-                if answer is None:
+                taken = self.answers.pop(outcome.local_id, None)
+                if taken is None:
                     continue
+                subscription, shard, answer = taken
                 accepted = outcome.verdict == peer_pb2.Outcome.ACCEPTED
                 if accepted:
                     stats.accepted += 1
                     self._failures = 0
                 else:
                     stats.refused[peer_pb2.Outcome.Reason.Name(outcome.reason).lower()] += 1
+                    if outcome.reason in _STALE_ROUTE:
+                        self._forwarder._directory.forget(subscription, shard)
                 answer(accepted)
 
     def _take_requests(self) -> list[peer_pb2.ForwardRequest]:
@@ -266,7 +274,9 @@ class _Link:
                 delay,
             )
         forwarder.stats.refused["broken"] += len(answers)
-        for answer in answers.values():
+        for subscription, shard in {(sub, shard) for sub, shard, _ in answers.values()}:
+            forwarder._directory.forget(subscription, shard)  # the owner may be gone: read it again
+        for _, _, answer in answers.values():
             answer(False)
 
     async def close(self) -> None:

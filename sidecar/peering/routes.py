@@ -1,9 +1,10 @@
 """Who owns a shard, at which epoch, reached at which address: what the forwarder reads.
 
-``PeerDirectory.route`` answers from what this pod knows now (``sidecar.wiring.peering`` feeds it
-from the lease documents and the pods' addresses); None when forwarding cannot help: the owner is
-unknown, is this pod, or has no known address. The answer may be stale: the owner checks the epoch
-named and refuses (``STALE_EPOCH``, ``NOT_OWNER``), and the message then goes the inbox's way.
+``PeerDirectory.route`` answers from what this pod knows now (``sidecar.wiring.peering`` reads it
+from the lease documents and the pods' member documents); None when forwarding cannot help: the
+owner is unknown (being read), is this pod, or has no known address. The answer may be stale: the
+owner checks the epoch named and refuses (``STALE_EPOCH``, ``NOT_OWNER``), the message then goes
+the inbox's way, and the forwarder calls ``forget`` so that the next message reads the owner again.
 """
 
 from __future__ import annotations
@@ -25,3 +26,6 @@ class PeerRoute:
 class PeerDirectory(Protocol):
     def route(self, subscription: str, shard: int) -> PeerRoute | None:
         """The owner of ``shard`` of ``subscription`` if another pod, with its address; else None."""
+
+    def forget(self, subscription: str, shard: int) -> None:
+        """The route given for ``shard`` was refused or its channel broke: read it again next time."""

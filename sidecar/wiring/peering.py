@@ -1,30 +1,31 @@
 """The peer channel joined to the sidecar (docs/forwarding.md): the owners' directory, the peer server
 and the forwarder, made from the config's ``peering`` section.
 
-- **Directory** (``PeerRoutes``, the ``sidecar.peering.routes.PeerDirectory`` the forwarder reads):
-  who owns each shard and at which epoch comes from a Listen on each subscription's lease documents
-  (``owner``, ``epoch``; a renewal changes neither, so it is read and ignored); where an owner
-  answers comes from its member document (``{sub_path}/members/{pod}``, field ``address``: the pod
-  names Kubernetes gives are plain document ids), read once per owner and epoch, on the first
-  message for it (meanwhile, and when it has no address, messages take the inbox's way). A stale
-  answer costs nothing but a refusal: the owner checks the epoch named.
+- **Directory** (``PeerRoutes``, the ``sidecar.peering.routes.PeerDirectory`` the forwarder reads),
+  read on demand, never listened to (a Listen on the lease documents would be billed a read for
+  every renewal): the first message of a shard reads its lease document (``owner``, ``epoch``: one
+  billed read), the first of an owner reads its member document (``{sub_path}/members/{pod}``,
+  field ``address``: the pod names Kubernetes gives are plain document ids). Meanwhile, and when the
+  owner is this pod, nobody, or has no address, messages take the inbox's way. A route is kept until
+  the forwarder says it was wrong (``forget``: a ``NOT_OWNER`` or ``STALE_EPOCH`` answer, or a
+  stream that broke); a shard read free or owned by this pod is read again after
+  ``RECHECK_SECONDS``. So the directory costs reads only when ownership changes, and a stale route
+  costs one refusal: the owner checks the epoch named.
 - **Server** (``sidecar.peering.server``) on ``[::]:<peering.port>``, one ``LocalIntake`` per
   subscription: the shard's epoch as this pod delivers it now (the runtime's engines, and the lease's
   own check), ``Ingestor.take_forwarded``, and the bound ``flow_control.max_outstanding_messages``.
 - **Forwarder** (``sidecar.peering.client``) given to every subscription's ingest before it starts.
 - Without ``peering`` (or with ``port: 0``) none of this exists: the inbox path only, as before.
-- A lease Listen that fails is started again after a capped, jittered backoff (``sidecar.backoff``);
-  meanwhile the directory answers from what it knew.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 
-from sidecar.backoff import backoff_seconds
+from sidecar.cluster.leases.layout import lease_path
 from sidecar.config.model import SidecarConfig
 from sidecar.config.peering import read_peer_secret
 from sidecar.ops.observability import PeerMetrics
@@ -39,74 +40,92 @@ from sidecar.wiring.subscription import SubscriptionParts
 
 _LOGGER = logging.getLogger(__name__)
 
-_LISTEN_RETRY_INITIAL_SECONDS = 0.5
-_LISTEN_RETRY_MAXIMUM_SECONDS = 30.0
+RECHECK_SECONDS = 1.0
+"""How long a shard read free, or owned by this pod, is taken as such before it is read again."""
 
+OwnerOf = Callable[[str, int], Awaitable[tuple[str, int] | None]]
+"""(subscription, shard) -> (owner pod, epoch) from its lease document; None when free or missing."""
 AddressOf = Callable[[str, str], Awaitable[str]]
 """(subscription, pod) -> the pod's peer address, "" when it has none."""
 
 
 class PeerRoutes:
-    """Owners of shards (lease documents) and their addresses (member documents), as this pod knows them."""
+    """Owners of shards and their addresses, read on demand and kept until the forwarder says otherwise."""
 
-    def __init__(self, pod: str, address_of: AddressOf) -> None:
+    def __init__(
+        self, pod: str, owner_of: OwnerOf, address_of: AddressOf, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._pod = pod
+        self._owner_of = owner_of
         self._address_of = address_of
-        self._owners: dict[str, dict[int, tuple[str, int]]] = {}
+        self._clock = clock
+        self._owners: dict[tuple[str, int], tuple[str, int] | float] = {}
+        """(subscription, shard) -> (pod, epoch); or, read free or this pod's, when to read it again."""
         self._addresses: dict[tuple[str, str], str] = {}
-        self._lookups: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._reads: dict[tuple[str, str, object], asyncio.Task[None]] = {}
 
     def route(self, subscription: str, shard: int) -> PeerRoute | None:
-        owner = self._owners.get(subscription, {}).get(shard)
-        if owner is None or owner[0] == self._pod:
+        owner = self._owners.get((subscription, shard))
+        if owner is None or (isinstance(owner, float) and self._clock() >= owner):
+            self._read(("owner", subscription, shard), lambda: self._read_owner(subscription, shard))
             return None
+        if isinstance(owner, float):
+            return None  # free, or this pod's, until it is read again
         pod, epoch = owner
         address = self._addresses.get((subscription, pod))
         if address is None:
-            self._look_up(subscription, pod)
+            self._read(("address", subscription, pod), lambda: self._read_address(subscription, pod))
             return None
         return PeerRoute(pod=pod, epoch=epoch, address=address) if address else None
 
-    def on_leases(self, subscription: str, change: docs.Change) -> None:
-        """A snapshot of ``subscription``'s lease documents: owners and epochs; a new epoch of an
-        owner makes its address read again (a restarted process may answer elsewhere)."""
-        owners = self._owners.setdefault(subscription, {})
-        if change.initial:
-            owners.clear()
-        for doc_id, fields, _ in change.upserts:
-            if not doc_id.isdigit():
-                continue
-            shard = int(doc_id)
-            owner, epoch = fields.get("owner"), fields.get("epoch")
-            if not isinstance(owner, str) or not owner or not isinstance(epoch, int):
-                owners.pop(shard, None)
-                continue
-            if owners.get(shard) != (owner, epoch):
-                self._addresses.pop((subscription, owner), None)
-            owners[shard] = (owner, epoch)
-        for doc_id in change.removals:
-            if doc_id.isdigit():
-                owners.pop(int(doc_id), None)
+    def forget(self, subscription: str, shard: int) -> None:
+        owner = self._owners.pop((subscription, shard), None)
+        if isinstance(owner, tuple):
+            self._addresses.pop((subscription, owner[0]), None)  # a restarted owner may answer elsewhere
 
-    def _look_up(self, subscription: str, pod: str) -> None:
-        key = (subscription, pod)
-        if key in self._lookups:
+    async def _read_owner(self, subscription: str, shard: int) -> None:
+        owner = await self._owner_of(subscription, shard)
+        if owner is None or owner[0] == self._pod:
+            self._owners[(subscription, shard)] = self._clock() + RECHECK_SECONDS
+        else:
+            self._owners[(subscription, shard)] = owner
+
+    async def _read_address(self, subscription: str, pod: str) -> None:
+        self._addresses[(subscription, pod)] = await self._address_of(subscription, pod)
+
+    def _read(self, key: tuple[str, str, object], read: Callable[[], Awaitable[None]]) -> None:
+        """Start ``read`` unless a read of ``key`` is under way."""
+        if key in self._reads:
             return
 
-        async def look_up() -> None:
+        async def run() -> None:
             try:
-                self._addresses[key] = await self._address_of(subscription, pod)
+                await read()
             except StoreError as exc:
-                _LOGGER.warning("peering: the address of %s (%s) cannot be read: %s", pod, subscription, exc)
+                _LOGGER.warning("peering: reading %s of %s failed: %s", key[0], key[1], exc)
             finally:
-                self._lookups.pop(key, None)
+                self._reads.pop(key, None)
 
-        self._lookups[key] = asyncio.ensure_future(look_up())
+        self._reads[key] = asyncio.ensure_future(run())
 
     async def close(self) -> None:
-        for task in list(self._lookups.values()):
+        for task in list(self._reads.values()):
             task.cancel()
-        await asyncio.gather(*self._lookups.values(), return_exceptions=True)
+        await asyncio.gather(*self._reads.values(), return_exceptions=True)
+
+
+def lease_owner(documents: docs.Documents, sub_paths: Mapping[str, str]) -> OwnerOf:
+    """Reads a shard's owner and epoch from its lease document (one billed read)."""
+
+    async def owner_of(subscription: str, shard: int) -> tuple[str, int] | None:
+        path = lease_path(sub_paths[subscription], shard)
+        found = (await documents.get_all([path])).get(path)
+        if found is None:
+            return None
+        owner, epoch = found.get("owner"), found.get("epoch")
+        return (owner, epoch) if isinstance(owner, str) and owner and isinstance(epoch, int) else None
+
+    return owner_of
 
 
 def member_address(documents: docs.Documents, sub_paths: Mapping[str, str]) -> AddressOf:
@@ -122,55 +141,16 @@ def member_address(documents: docs.Documents, sub_paths: Mapping[str, str]) -> A
 
 
 class Peering:
-    """The peer server, the forwarder and the directory's Listens of one sidecar."""
+    """The peer server, the forwarder and the directory of one sidecar."""
 
-    def __init__(
-        self,
-        server: PeerServer,
-        forwarder: PeerForwarder,
-        routes: PeerRoutes,
-        documents: docs.Documents,
-        sub_paths: Mapping[str, str],
-    ) -> None:
+    def __init__(self, server: PeerServer, forwarder: PeerForwarder, routes: PeerRoutes) -> None:
         self.server = server
         self.forwarder = forwarder
         self.routes = routes
-        self._documents = documents
-        self._sub_paths = dict(sub_paths)
-        self._listens: dict[str, docs.Listening] = {}
-        self._restarts: set[asyncio.Task[None]] = set()
-        self._closed = False
 
     async def start(self) -> str:
-        """Bind the peer server (``ListenError`` when the port is taken) and start the directory's Listens."""
-        address = await self.server.start()
-        for name in self._sub_paths:
-            self._listen(name, attempt=0)
-        return address
-
-    def _listen(self, name: str, attempt: int) -> None:
-        if self._closed:
-            return
-
-        def on_error(error: StoreError) -> None:
-            _LOGGER.warning("peering: the Listen on %s's lease documents failed (%s); restarting it", name, error)
-            listening = self._listens.pop(name, None)
-            if listening is not None:
-                self._spawn(listening.close())
-            self._spawn(self._listen_later(name, attempt + 1))
-
-        self._listens[name] = self._documents.listen(
-            self._sub_paths[name], "leases", [], lambda change: self.routes.on_leases(name, change), on_error
-        )
-
-    async def _listen_later(self, name: str, attempt: int) -> None:
-        await asyncio.sleep(backoff_seconds(attempt, _LISTEN_RETRY_INITIAL_SECONDS, _LISTEN_RETRY_MAXIMUM_SECONDS))
-        self._listen(name, attempt)
-
-    def _spawn(self, coroutine: Awaitable[object]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(_quietly(coroutine))
-        self._restarts.add(task)
-        task.add_done_callback(self._restarts.discard)
+        """Bind the peer server; ``ListenError`` when the port is taken."""
+        return await self.server.start()
 
     def metrics(self) -> PeerMetrics:
         server, forwarder = self.server.stats, self.forwarder.stats
@@ -181,14 +161,7 @@ class Peering:
         )
 
     async def close(self) -> None:
-        """Stop the directory, the forwarder's streams and the server (open calls end: senders fall back)."""
-        self._closed = True
-        for task in list(self._restarts):
-            task.cancel()
-        for listening in self._listens.values():
-            with contextlib.suppress(StoreError):
-                await listening.close()
-        self._listens.clear()
+        """Stop the directory's reads, the forwarder's streams and the server (senders fall back)."""
         await self.routes.close()
         await self.forwarder.close()
         await self.server.stop(1.0)
@@ -205,7 +178,7 @@ def make_peering(
     credentials = PeerCredentials(read_peer_secret(peering.secret_file) if peering.secret_file else None)
     server = PeerServer(f"[::]:{peering.port}", credentials)
     sub_paths = {name: f"{config.firestore.root}/{name}" for name in subs}
-    routes = PeerRoutes(pod, member_address(documents, sub_paths))
+    routes = PeerRoutes(pod, lease_owner(documents, sub_paths), member_address(documents, sub_paths))
     forwarder = PeerForwarder(routes, credentials)
     for name, s in subs.items():
         server.register(
@@ -217,7 +190,7 @@ def make_peering(
             ),
         )
         s.ingestor.set_forwarder(forwarder)
-    return Peering(server, forwarder, routes, documents, sub_paths)
+    return Peering(server, forwarder, routes)
 
 
 def _held_epoch(runtime: SubscriptionRuntime) -> Callable[[int], int | None]:
@@ -231,8 +204,3 @@ def _held_epoch(runtime: SubscriptionRuntime) -> Callable[[int], int | None]:
         return epoch
 
     return held_epoch
-
-
-async def _quietly(coroutine: Awaitable[object]) -> None:
-    with contextlib.suppress(StoreError):
-        await coroutine

@@ -64,9 +64,14 @@ class StaticDirectory:
 
     def __init__(self) -> None:
         self.routes: dict[int, PeerRoute] = {}
+        self.forgotten: list[int] = []
+        """Shards the forwarder said were routed wrong (this directory keeps answering the same)."""
 
     def route(self, subscription: str, shard: int) -> PeerRoute | None:
         return self.routes.get(shard) if subscription == SUB else None
+
+    def forget(self, subscription: str, shard: int) -> None:
+        self.forgotten.append(shard)
 
 
 @dataclass

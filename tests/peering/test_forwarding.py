@@ -115,6 +115,7 @@ async def test_a_stale_epoch_is_refused_and_the_message_goes_through_the_inbox_o
     assert await _deliver_all(pods, 1) == [("C", 1)]
     await _nothing_more(pods)
     assert pods.forwarder.stats.refused["stale_epoch"] == 1 and pods.server.stats.refused["stale_epoch"] == 1
+    assert pods.directory.forgotten == [shard], "the stale route is to be read again"
     assert (sender.counters.stored_for_owner, sender.counters.forwarded, sender.counters.acked) == (1, 0, 1)
     inbox_cost = pods.billed() - before
     # The forwarded way, on a key of another shard of the same pods, for comparison.

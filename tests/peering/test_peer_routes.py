@@ -1,5 +1,6 @@
-"""The owners' directory as the sidecar wires it (``sidecar.wiring.peering``): owners and epochs from a
-Listen on the lease documents, addresses from the member documents, over ``MemoryDocuments``."""
+"""The owners' directory as the sidecar wires it (``sidecar.wiring.peering``): owners and epochs read
+from the lease documents and addresses from the member documents on demand, over ``MemoryDocuments``;
+and the peer server's credentials as /metrics counts them."""
 
 from __future__ import annotations
 
@@ -14,48 +15,50 @@ from sidecar.peering.client import PeerForwarder
 from sidecar.peering.proto import peer_pb2, peer_pb2_grpc
 from sidecar.peering.routes import PeerRoute
 from sidecar.peering.server import PeerServer
-from sidecar.store import documents as docs
 from sidecar.store.memory_documents import MemoryDocuments
-from sidecar.wiring.peering import Peering, PeerRoutes, member_address
+from sidecar.wiring.peering import RECHECK_SECONDS, Peering, PeerRoutes, lease_owner, member_address
 
 pytestmark = pytest.mark.timeout(60)
 
 SUB_PATH = "root/orders"
 
 
-async def test_routes_follow_the_lease_documents_and_read_each_owners_address_once_per_epoch() -> None:
+async def test_routes_are_read_on_demand_kept_and_read_again_once_forgotten() -> None:
     documents = MemoryDocuments()
     documents.docs[f"{SUB_PATH}/members/pod-b"] = {"pod": "pod-b", "address": "10.0.0.2:7100"}
     documents.docs[f"{SUB_PATH}/leases/0000"] = {"owner": "pod-b", "epoch": 7}
     documents.docs[f"{SUB_PATH}/leases/0001"] = {"owner": "pod-a", "epoch": 3}
     documents.docs[f"{SUB_PATH}/leases/0002"] = {"owner": "", "epoch": 4}
-    routes = PeerRoutes("pod-a", member_address(documents, {"orders": SUB_PATH}))
-    credentials = PeerCredentials(b"secret")
-    peering = Peering(
-        PeerServer("127.0.0.1:0", credentials),
-        PeerForwarder(routes, credentials),
-        routes,
-        documents,
-        {"orders": SUB_PATH},
+    sub_paths = {"orders": SUB_PATH}
+    now = [0.0]
+    routes = PeerRoutes(
+        "pod-a", lease_owner(documents, sub_paths), member_address(documents, sub_paths), clock=lambda: now[0]
     )
-    await peering.start()
     try:
-        await wait_until(lambda: routes.route("orders", 0) is not None, "the owner of shard 0 and its address")
-        assert routes.route("orders", 0) == PeerRoute(pod="pod-b", epoch=7, address="10.0.0.2:7100")
-        assert routes.route("orders", 1) is None, "this pod's own shard: never forwarded"
-        assert routes.route("orders", 2) is None, "a free shard"
-        assert routes.route("orders", 3) is None, "no lease document"
+        want = PeerRoute(pod="pod-b", epoch=7, address="10.0.0.2:7100")
+        assert routes.route("orders", 0) is None, "not read yet: the inbox's way meanwhile"
+        await wait_until(lambda: routes.route("orders", 0) == want, "the owner of shard 0, then its address")
+        for shard in (1, 2, 3):  # this pod's own, a free one, one without a lease document
+            routes.route("orders", shard)
+        await wait_until(lambda: documents.reads >= 5, "shards 1-3 read")
         reads = documents.reads
-        assert routes.route("orders", 0) is not None and documents.reads == reads, "the address is cached"
-        # pod-b restarts elsewhere and takes shard 0 at a new epoch: its address is read again.
+        assert [routes.route("orders", shard) for shard in (1, 2, 3)] == [None, None, None]
+        assert routes.route("orders", 0) == want
+        assert documents.reads == reads, "kept: no read per message"
+        now[0] += RECHECK_SECONDS
+        routes.route("orders", 2)
+        await wait_until(lambda: documents.reads == reads + 1, "a free shard read again after a while")
+        # pod-b restarts elsewhere and takes shard 0 at a new epoch; the forwarder's refusal forgets it.
         documents.docs[f"{SUB_PATH}/members/pod-b"] = {"pod": "pod-b", "address": "10.0.0.9:7100"}
-        await documents.commit([docs.replace(f"{SUB_PATH}/leases/0000", {"owner": "pod-b", "epoch": 8})])
+        documents.docs[f"{SUB_PATH}/leases/0000"] = {"owner": "pod-b", "epoch": 8}
+        assert routes.route("orders", 0) == want, "stale until the forwarder says so"
+        routes.forget("orders", 0)
         await wait_until(
             lambda: routes.route("orders", 0) == PeerRoute(pod="pod-b", epoch=8, address="10.0.0.9:7100"),
             "the new epoch and the new address",
         )
     finally:
-        await peering.close()
+        await routes.close()
 
 
 @pytest.mark.parametrize("metadata", [(), (("x-sidecar-peer-secret-bin", b"forged"),)], ids=["none", "forged"])
@@ -63,9 +66,9 @@ async def test_a_call_without_the_secret_gets_unauthenticated_and_the_metric_cou
     metadata: tuple[tuple[str, bytes], ...],
 ) -> None:
     documents = MemoryDocuments()
-    routes = PeerRoutes("pod-a", member_address(documents, {"orders": SUB_PATH}))
+    routes = PeerRoutes("pod-a", lease_owner(documents, {}), member_address(documents, {}))
     credentials = PeerCredentials(b"secret")
-    peering = Peering(PeerServer("127.0.0.1:0", credentials), PeerForwarder(routes, credentials), routes, documents, {})
+    peering = Peering(PeerServer("127.0.0.1:0", credentials), PeerForwarder(routes, credentials), routes)
     address = await peering.start()
     registry = CollectorRegistry(auto_describe=True)
     registry.register(PeerCollector(peering.metrics))
