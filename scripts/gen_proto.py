@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             print(problem, file=sys.stderr)
         if problems:
             return 1
-        print(f"{(OUT_ROOT / PACKAGE).relative_to(REPO_ROOT)}/ is up to date with proto/")
+        print(f"{(OUT_ROOT / PACKAGE).relative_to(REPO_ROOT)}/ and {PEER_PACKAGE}/ are up to date with proto/")
         return 0
     for rel in write_package():
         print(f"wrote {(OUT_ROOT / rel).relative_to(REPO_ROOT)}")
