@@ -17,6 +17,13 @@ Rules this module keeps:
   free themselves (``null``). The table lists these commands under the waiting keys.
 - Any failure to get an answer (sidecar unreachable, timeout, unknown subscription) is one line on
   stderr and exit code 1, never a traceback.
+- Numbers say what they are: ``counts`` are running totals since the sidecar process started
+  (they never fall, whatever shards move); the few values GetStatus's map carries that go up and
+  down (``CURRENT_VALUES``) are under ``current``, and the table labels both.
+- Lost leases are said plainly, with the cause (``lease_problem``: "Firestore unavailable since
+  T"), above the shard line; a pod that owns no shard says so in words, not only "owns 0".
+- Capacity: intake rate against delivery rate over the last minute, and when the backlog grows,
+  for how long, in words ("BACKLOG GROWING for 5m02s: 20.0 msg/s more in than out").
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ DEFAULT_TIMEOUT_SECONDS = 10.0
 
 WAITING_STATES = ("waiting_sequence", "waiting_watermark", "blocked_dead_letter", "backoff")
 """KeyStatus states in which a key holds messages back; the table lists these keys."""
+
+CURRENT_VALUES = ("dead_letters_pending", "shards_loading", "lease_pods")
+"""Values of GetStatus's ``counts`` map that are current figures (they go up and down), not running totals."""
 
 _COUNT_ORDER = ("stored", "delivered", "acked", "nacked", "expired", "duplicates", "dead_lettered", "late", "skipped")
 """Counters shown first, in the order a message meets them; any others follow alphabetically."""
@@ -145,12 +155,30 @@ def subscription_to_dict(sub: sidecar_pb2.SubscriptionStatus, now: datetime, tar
         "oldest_undelivered_age_seconds": _seconds(sub, "oldest_undelivered_age"),
         "watermark": _rfc3339(watermark) if watermark is not None else None,
         "watermark_lag_seconds": _seconds(sub, "watermark_lag"),
-        "counts": _ordered_counts(dict(sub.counts)),
+        "counts": _ordered_counts({name: value for name, value in sub.counts.items() if name not in CURRENT_VALUES}),
         "keys_detail": [key_to_dict(key, now, target, sub.name) for key in sub.keys_detail],
         "pod": sub.pod,
         "shard_count": sub.shard_count,
         "shards": [{"shard": shard.shard, "epoch": shard.epoch} for shard in sub.shards],
         "pull_failure": sub.pull_failure or None,
+        "current": {name: sub.counts[name] for name in CURRENT_VALUES if name in sub.counts},
+        "capacity": _capacity(sub),
+        "lease_problem": sub.lease_problem or None,
+    }
+
+
+def _capacity(sub: sidecar_pb2.SubscriptionStatus) -> dict[str, Any] | None:
+    """Intake against delivery over the last minute; None until the sidecar sampled enough of it."""
+    if not sub.HasField("capacity"):
+        return None
+    capacity = sub.capacity
+    growing_for = capacity.growing_for.ToNanoseconds() / 1e9
+    return {
+        "intake_per_second": round(capacity.intake_per_second, 3),
+        "delivered_per_second": round(capacity.delivered_per_second, 3),
+        "deficit_per_second": round(capacity.deficit_per_second, 3),
+        "backlog_growing": growing_for > 0,
+        "growing_for_seconds": round(growing_for, 3),
     }
 
 
@@ -223,13 +251,37 @@ def _subscription_details(sub: dict[str, Any]) -> list[str]:
     lines = [f"{sub['name']}:"]
     if sub["pull_failure"]:
         lines.append(f"  PUB/SUB DELIVERS NOTHING: {sub['pull_failure']}")
+    if sub["lease_problem"]:
+        lines.append(f"  LEASES LOST: {sub['lease_problem']}")
     if sub["shard_count"]:
-        owned = " ".join(f"{s['shard']}@{s['epoch']}" for s in sub["shards"]) or "none"
-        lines.append(
-            f"  pod {sub['pod']}: owns {len(sub['shards'])} of {sub['shard_count']} shards (shard@epoch): {owned}"
+        owned = " ".join(f"{s['shard']}@{s['epoch']}" for s in sub["shards"])
+        if owned:
+            lines.append(
+                f"  pod {sub['pod']}: owns {len(sub['shards'])} of {sub['shard_count']} shards (shard@epoch): {owned}"
+            )
+        else:
+            why = "its leases are lost (above)" if sub["lease_problem"] else "other pods own them, or none is taken yet"
+            lines.append(f"  pod {sub['pod']}: owns none of {sub['shard_count']} shards ({why}): it delivers no key")
+    capacity = sub["capacity"]
+    if capacity is not None:
+        rates = (
+            f"intake {capacity['intake_per_second']:.1f} msg/s, "
+            f"delivery {capacity['delivered_per_second']:.1f} msg/s (last minute)"
         )
+        if capacity["backlog_growing"]:
+            lines.append(
+                f"  BACKLOG GROWING for {format_age(capacity['growing_for_seconds'])}: "
+                f"{capacity['deficit_per_second']:.1f} msg/s more in than out; {rates}"
+            )
+        else:
+            lines.append(f"  capacity: {rates}; the backlog does not grow")
     if sub["counts"]:
-        lines.append("  counts: " + " ".join(f"{name}={value}" for name, value in sub["counts"].items()))
+        lines.append(
+            "  counts since the process started: "
+            + " ".join(f"{name}={value}" for name, value in sub["counts"].items())
+        )
+    if sub["current"]:
+        lines.append("  now: " + " ".join(f"{name}={value}" for name, value in sub["current"].items()))
     waiting = [key for key in sub["keys_detail"] if key["state"] in WAITING_STATES]
     if not waiting:
         if sub["keys_blocked"]:

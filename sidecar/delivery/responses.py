@@ -18,6 +18,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from pubsub_sidecar.v1 import sidecar_pb2
 from sidecar.engine.payloads import attributes_text
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus, SkippedRange
+from sidecar.ops.capacity import Capacity
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.pipeline.runtime_actions import Unblocked
 
@@ -103,6 +104,16 @@ def _duration(ms: int) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
     duration.FromMilliseconds(ms)
     return duration
+
+
+def fill_reports(proto: sidecar_pb2.SubscriptionStatus, capacity: Capacity, lease_problem: str | None) -> None:
+    """Capacity (once sampled long enough to mean something) and why leases are lost, if they are."""
+    if capacity.known:
+        proto.capacity.intake_per_second = capacity.intake_per_second
+        proto.capacity.delivered_per_second = capacity.delivered_per_second
+        proto.capacity.deficit_per_second = capacity.deficit_per_second
+        proto.capacity.growing_for.CopyFrom(_duration(round(capacity.growing_for_seconds * 1000)))
+    proto.lease_problem = lease_problem or ""
 
 
 def subscription_status(

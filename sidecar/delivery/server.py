@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar.delivery.handlers import SERVICE_NAME, ordered_delivery_handler
-from sidecar.delivery.servicer import OrderedDeliveryServicer
+from sidecar.delivery.servicer import OrderedDeliveryServicer, StatusReports
 from sidecar.ops.listening import ListenError, ensure_tcp_port_free, is_socket_listening
 from sidecar.pipeline.runtime import SubscriptionRuntime
 
@@ -58,10 +58,13 @@ class GrpcServer:
         *,
         servicer: OrderedDeliveryServicer | None = None,
         pull_failures: Mapping[str, Callable[[], str | None]] | None = None,
+        reports: StatusReports | None = None,
     ) -> None:
         self._runtimes = dict(runtimes)
         self._listen = listen
-        self.servicer = servicer or OrderedDeliveryServicer(self._runtimes, pull_failures=pull_failures)
+        self.servicer = servicer or OrderedDeliveryServicer(
+            self._runtimes, pull_failures=pull_failures, reports=reports
+        )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._serving: set[str] = set()

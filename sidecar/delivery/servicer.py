@@ -24,16 +24,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery import subscribe
 from sidecar.delivery.errors import BadRequest, UnknownSubscription, abort, decoded, quote
-from sidecar.delivery.responses import skip_gap_response, subscription_status, unblock_response
+from sidecar.delivery.responses import fill_reports, skip_gap_response, subscription_status, unblock_response
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
 from sidecar.engine.dead_letters import KeyNotBlocked
+from sidecar.ops.capacity import Capacity
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.pipeline.runtime_context import SubscriptionUnavailable
 
@@ -49,6 +50,14 @@ MAX_STATUS_KEYS = 10_000
 """GetStatus per-key detail cap: keeps one response well under the default 4 MiB receive limit."""
 
 
+class StatusReports(Protocol):
+    """What GetStatus adds to the runtime's status: capacity and lease health, by subscription name."""
+
+    def capacity(self, name: str) -> Capacity: ...
+
+    def lease_problem(self, name: str) -> str | None: ...
+
+
 class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
     """Serves Subscribe, GetStatus, UnblockKey and SkipGap over ``{subscription name: SubscriptionRuntime}``."""
 
@@ -59,6 +68,7 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         default_max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
         max_outstanding_limit: int = MAX_OUTSTANDING_LIMIT,
         pull_failures: Mapping[str, Callable[[], str | None]] | None = None,
+        reports: StatusReports | None = None,
     ) -> None:
         if not 0 < default_max_outstanding <= max_outstanding_limit:
             raise ValueError(
@@ -67,6 +77,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         self._runtimes = dict(runtimes)
         self._pull_failures = dict(pull_failures or {})
         """Subscription name -> why Pub/Sub delivers nothing to it (``PullHealth.problem``), for GetStatus."""
+        self._reports = reports
+        """Capacity and lease health by subscription name (``sidecar.wiring.reporting.Reports``), for GetStatus."""
         self._default_max_outstanding = default_max_outstanding
         self._max_outstanding_limit = max_outstanding_limit
         self._streams = OpenStreams()
@@ -160,6 +172,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                 proto = subscription_status(runtime, status, keys, runtime.now_ms())
                 pull_failure = self._pull_failures.get(runtime.name)
                 proto.pull_failure = (pull_failure() if pull_failure is not None else None) or ""
+                if self._reports is not None:
+                    fill_reports(proto, self._reports.capacity(runtime.name), self._reports.lease_problem(runtime.name))
                 response.subscriptions.append(proto)
             return response
         except Exception as exc:

@@ -12,7 +12,11 @@ restarts the container rather than waiting on it for ever. ``/readyz`` answers 2
 once recovery is done *and* every readiness check passes (Pub/Sub and Firestore reachable, and each
 subscription's StreamingPull working: ``sidecar.pipeline.pull_health`` says when it has failed for 10 s or
 was closed for good, with the cause); checks are cached for ``_CHECK_TTL_SECONDS`` so that probes do
-not hammer the backends.
+not hammer the backends. A failed check's text names the cause (``describe_failure``): "no answer
+from Firestore within 5 s (TimeoutError)", never an exception's empty text.
+
+Every counter is a running total for the life of the process, whatever shards come and go (the
+layers below keep a dropped shard's counts); figures that go up and down are gauges.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from sidecar.ops.capacity import Capacity
 from sidecar.ops.listening import ListenError, describe_bind_error
 
 _LOGGER = logging.getLogger(__name__)
@@ -77,6 +82,10 @@ class SubscriptionMetrics:
     """Failed StreamingPull attempts by status code name, since the start."""
     ingest_stages: Mapping[str, int] = field(default_factory=dict)
     """Messages received and not settled with Pub/Sub, by where they wait (``Ingestor.stages``)."""
+    capacity: Capacity | None = None
+    """Intake against delivery over the last minute (``sidecar.ops.capacity``); None when not sampled."""
+    lease_problem: bool = False
+    """Several pods: this pod's lease reads of Firestore fail (it loses its shards as leases run out)."""
 
 
 class SidecarCollector(Collector):
@@ -186,6 +195,43 @@ class SidecarCollector(Collector):
             for stage, count in snap.ingest_stages.items():
                 stages.add_metric([snap.subscription, stage], count)
         yield stages
+        yield from _capacity_families(snapshots)
+
+
+def _capacity_families(snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:
+    """Lag as capacity: intake against delivery over the last minute, and how long the backlog grew."""
+    measured = [snap for snap in snapshots if snap.capacity is not None and snap.capacity.known]
+    gauges = {
+        "intake_rate": ("intake_per_second", "New messages taken in per second, over the last minute."),
+        "delivery_rate": (
+            "delivered_per_second",
+            "Messages finished per second (acked by the app, or dead-lettered), over the last minute.",
+        ),
+        "backlog_deficit": (
+            "deficit_per_second",
+            "Intake rate minus delivery rate: positive while messages come in faster than they are finished.",
+        ),
+        "backlog_deficit_seconds": (
+            "growing_for_seconds",
+            "How long the backlog has been growing without pause (0 when it does not): alert on this, a "
+            "sustained deficit is a capacity problem, a spike is not.",
+        ),
+    }
+    for name, (attr, doc) in gauges.items():
+        gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["subscription"])
+        for snap in measured:
+            gauge.add_metric([snap.subscription], getattr(snap.capacity, attr))
+        yield gauge
+    failing = GaugeMetricFamily(
+        f"{PREFIX}_lease_reads_failing",
+        "1 while this pod's lease reads of Firestore fail (several pods): it loses its shards as their leases "
+        "run out (`pubsub-sidecar status` says since when).",
+        labels=["subscription"],
+    )
+    for snap in snapshots:
+        if snap.shards_owned is not None:
+            failing.add_metric([snap.subscription], 1 if snap.lease_problem else 0)
+    yield failing
 
 
 def _counter_families(docs: dict[str, str], snapshots: list[SubscriptionMetrics]) -> Iterator[Metric]:
@@ -279,9 +325,16 @@ Liveness = Callable[[], str | None]
 class Readiness:
     """Recovered flag plus cached dependency checks."""
 
-    def __init__(self, checks: Mapping[str, ReadinessCheck], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        checks: Mapping[str, ReadinessCheck],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_seconds: float = _CHECK_TIMEOUT_SECONDS,
+    ) -> None:
         self._checks = dict(checks)
         self._clock = clock
+        self._timeout = timeout_seconds
         self._recovered = False
         self._shutting_down = False
         self._cache: dict[str, tuple[float, str | None]] = {}
@@ -304,22 +357,41 @@ class Readiness:
             for name, check in self._checks.items():
                 cached = self._cache.get(name)
                 if cached is None or now - cached[0] > _CHECK_TTL_SECONDS:
-                    cached = (now, await _run_check(check))
+                    cached = (now, await _run_check(name, check, self._timeout))
                     self._cache[name] = cached
                 results[name] = cached[1] or "ok"
             return all(v == "ok" for v in results.values()), results
 
 
-async def _run_check(check: ReadinessCheck) -> str | None:
+async def _run_check(name: str, check: ReadinessCheck, timeout_seconds: float) -> str | None:
     try:
-        await asyncio.wait_for(check(), _CHECK_TIMEOUT_SECONDS)
+        await asyncio.wait_for(check(), timeout_seconds)
     except asyncio.CancelledError:
         raise
     except NotReady as exc:
         return str(exc)[:300] or "not ready"
     except Exception as exc:  # any failure means "not ready"; say which
-        return f"{type(exc).__name__}: {exc}"[:300]
+        return describe_failure(name, exc, timeout_seconds)[:300]
     return None
+
+
+def describe_failure(name: str, exc: BaseException, timeout_seconds: float) -> str:
+    """A failed readiness check in words that name the cause, never an exception's empty text:
+    no answer in time says so; otherwise the exception's own text, or its cause's."""
+    kind = type(exc).__name__
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"no answer from {_SUBJECTS.get(name.split(':', 1)[0], name)} within {timeout_seconds:g} s ({kind})"
+    text = str(exc).strip()
+    cause = exc.__cause__ or exc.__context__
+    while not text and cause is not None:
+        text = f"{type(cause).__name__}: {cause}".strip().removesuffix(":")
+        cause = cause.__cause__ or cause.__context__
+    subject = _SUBJECTS.get(name.split(":", 1)[0], name)
+    return f"{subject} check failed: {kind}: {text}" if text else f"{subject} check failed: {kind} with no message"
+
+
+_SUBJECTS = {"firestore": "Firestore", "pubsub": "Pub/Sub", "streaming_pull": "Pub/Sub StreamingPull"}
+"""What a check's name (before any ``:<subscription>``) is about, as /readyz says it."""
 
 
 class HttpEndpoint:

@@ -56,7 +56,7 @@ from sidecar.store.firestore import FirestoreStore, check_deployment
 from sidecar.store.timed import TimedStore
 from sidecar.wiring.peering import Peering, make_peering
 from sidecar.wiring.relays import Relays
-from sidecar.wiring.reporting import LatencyObserver, metrics_snapshot, readiness_checks, stuck
+from sidecar.wiring.reporting import LatencyObserver, Reports, metrics_snapshot, readiness_checks, stuck
 from sidecar.wiring.shutdown import close_quietly, collect, shutdown
 from sidecar.wiring.subscription import SubscriptionParts, assemble_subscription, pod_identity
 
@@ -206,13 +206,18 @@ class Sidecar:
         self._relays = Relays(config, pod)
         clients.push_async_callback(close_quietly, "relays", self._relays.close)
         self.metrics.registry.register(self._relays.collector())
+        # Capacity (intake against delivery) and lease health, sampled once a second for metrics and status.
+        reports = Reports(subs)
+        sampling = asyncio.ensure_future(reports.run())
+        clients.callback(sampling.cancel)
         grpc_server = GrpcServer(
             {name: s.runtime for name, s in subs.items()},
             config.listen,
             pull_failures={name: s.ingestor.pull_health.problem for name, s in subs.items()},
+            reports=reports,
         )
         readiness = Readiness(readiness_checks(store.ping, subs))
-        self.metrics.add_collector(lambda: metrics_snapshot(subs.values()))
+        self.metrics.add_collector(lambda: metrics_snapshot(subs.values(), reports))
         http = HttpEndpoint(config.http, self.metrics, readiness, lambda: stuck(subs))
         return subs, grpc_server, http, readiness
 

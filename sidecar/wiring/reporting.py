@@ -16,15 +16,24 @@ hands it plain values. Rules:
   works (``PullHealth``): the client retries most StreamingPull errors without a word, so a
   GetSubscription that answers says nothing about them.
 - Liveness names the first subscription whose recovery stopped making progress, if any.
+- Capacity and lease health are sampled once a second (``Reports.run``) from the same running
+  totals, into the pure ``sidecar.ops.capacity`` trackers: intake is the messages the engines took
+  in (``stored``, the fast path's included, less recovered backlog and duplicates), delivery the
+  messages finished (acked or dead-lettered); a lease round whose read fails means Firestore does
+  not answer. Metrics and GetStatus read what was sampled last; a subscription not ready is not
+  sampled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sidecar.engine.status import iso
 from sidecar.engine.types import Deliver
+from sidecar.ops.capacity import UNKNOWN, Capacity, CapacityWindow, LeaseHealth
 from sidecar.ops.observability import Metrics, NotReady, ReadinessCheck, SubscriptionMetrics
 from sidecar.pipeline.ingest import Ingestor
 from sidecar.pipeline.runtime_loading import RECOVERY_STALL_SECONDS
@@ -89,7 +98,65 @@ def stuck(subs: Mapping[str, SubscriptionParts]) -> str | None:
     return None
 
 
-def metrics_snapshot(subs: Iterable[SubscriptionParts]) -> list[SubscriptionMetrics]:
+SAMPLE_SECONDS = 1.0
+"""How often ``Reports.run`` samples the running totals: the rates cover a minute of them."""
+
+
+class Reports:
+    """Capacity (intake against delivery) and lease health of each subscription, sampled."""
+
+    def __init__(
+        self,
+        subs: Mapping[str, SubscriptionParts],
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._subs = subs
+        self._monotonic = monotonic
+        self._wall = wall
+        self._capacity = {name: CapacityWindow() for name in subs}
+        self._leases = {name: LeaseHealth() for name in subs if subs[name].leases is not None}
+
+    def sample(self) -> None:
+        """One sample of every ready subscription's running totals."""
+        now, wall = self._monotonic(), self._wall()
+        for name, s in self._subs.items():
+            leases, health = s.leases, self._leases.get(name)
+            if leases is not None and health is not None:
+                health.observe(wall, leases.stats.rounds, leases.stats.read_failures)
+            if not s.runtime.is_ready:
+                continue
+            try:
+                counts = s.runtime.status(max_keys=0)[0].counts
+            except Exception:  # the engine is gone (stopping): nothing to sample
+                continue
+            intake = counts.get("stored", 0) - counts.get("recovered", 0) - counts.get("duplicates", 0)
+            self._capacity[name].observe(now, max(0, intake), counts.get("acked", 0) + counts.get("dead_lettered", 0))
+
+    async def run(self, interval_seconds: float = SAMPLE_SECONDS) -> None:
+        """Sample for ever (cancelled at shutdown)."""
+        while True:
+            self.sample()
+            await asyncio.sleep(interval_seconds)
+
+    def capacity(self, name: str) -> Capacity:
+        window = self._capacity.get(name)
+        return UNKNOWN if window is None else window.capacity(self._monotonic())
+
+    def lease_problem(self, name: str) -> str | None:
+        """Why this pod cannot hold its leases, in words; None while its lease reads work."""
+        health = self._leases.get(name)
+        if health is None or health.failing_since is None:
+            return None
+        since = iso(int(health.failing_since * 1000))
+        return (
+            f"Firestore unavailable since {since}: {health.failed_reads} lease reads failed; this pod loses "
+            "its shards as their leases run out and delivers none of their keys until Firestore answers"
+        )
+
+
+def metrics_snapshot(subs: Iterable[SubscriptionParts], reports: Reports | None = None) -> list[SubscriptionMetrics]:
     """Each ready subscription's counters and gauges, now (``SidecarCollector`` calls it at scrape time)."""
     now_ms = time.time_ns() // 1_000_000
     snapshots = []
@@ -140,6 +207,8 @@ def metrics_snapshot(subs: Iterable[SubscriptionParts]) -> list[SubscriptionMetr
                 streaming_pull_failing=s.ingestor.pull_health.is_failing(),
                 streaming_pull_errors=dict(s.ingestor.pull_health.errors),
                 ingest_stages=s.ingestor.stages(),
+                capacity=reports.capacity(s.config.name) if reports is not None else None,
+                lease_problem=reports.lease_problem(s.config.name) is not None if reports is not None else False,
             )
         )
     return snapshots

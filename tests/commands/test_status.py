@@ -29,7 +29,7 @@ NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 SUBSCRIPTION_FIELDS = [
     "name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age_seconds",
     "watermark", "watermark_lag_seconds", "counts", "keys_detail", "pod", "shard_count", "shards",
-    "pull_failure",
+    "pull_failure", "current", "capacity", "lease_problem",
 ]  # fmt: skip
 KEY_FIELDS = [
     "key", "state", "waiting_for", "since", "age_seconds", "buffered", "in_flight", "next_sequence",
@@ -183,7 +183,10 @@ def test_table_has_a_row_per_subscription_with_backlog_and_watermark() -> None:
 def test_table_lists_waiting_keys_with_what_they_wait_for_and_since_when() -> None:
     text = format_table(sample_response(), NOW)
     section = text.split("\norders:\n", 1)[1].split("\nprices:\n", 1)[0]
-    assert "counts: stored=50 delivered=42 acked=40 dead_lettered=1 dead_lettered:conflict=1" in section
+    assert (
+        "counts since the process started: stored=50 delivered=42 acked=40 dead_lettered=1 dead_lettered:conflict=1"
+        in section
+    )
     assert "keys waiting (2 of 2, longest first):" in section
     gap_row = next(line for line in section.splitlines() if "order-7" in line)
     assert "waiting_sequence" in gap_row and "sequence 3" in gap_row
@@ -322,3 +325,58 @@ def test_a_subscription_that_pub_sub_delivers_nothing_to_says_why() -> None:
     line = "  PUB/SUB DELIVERS NOTHING: every streaming pull failed for 12s, last with RESOURCE_EXHAUSTED: quota"
     assert line in text.splitlines()
     assert text.count("PUB/SUB DELIVERS NOTHING") == 1
+
+
+# ---- what the numbers are, lost leases, capacity (issue 31) -------------------------------------
+
+
+def test_running_totals_and_current_values_are_labelled_apart() -> None:
+    response = sample_response()
+    response.subscriptions[0].counts["dead_letters_pending"] = 3
+    response.subscriptions[0].counts["shards_loading"] = 1
+    orders = status_to_dict(response, NOW)["subscriptions"][0]
+    assert "dead_letters_pending" not in orders["counts"] and "shards_loading" not in orders["counts"]
+    assert orders["current"] == {"dead_letters_pending": 3, "shards_loading": 1}
+    section = format_table(response, NOW).split("\norders:\n", 1)[1]
+    assert "  now: dead_letters_pending=3 shards_loading=1" in section.splitlines()
+
+
+def test_lost_leases_are_said_plainly_with_the_cause() -> None:
+    response = sample_response()
+    orders = response.subscriptions[0]
+    del orders.shards[:]
+    orders.lease_problem = "Firestore unavailable since 2026-05-01T11:58:00.000Z: 12 lease reads failed"
+    assert status_to_dict(response, NOW)["subscriptions"][0]["lease_problem"] == orders.lease_problem
+    lines = format_table(response, NOW).split("\norders:\n", 1)[1].splitlines()
+    assert lines[0] == "  LEASES LOST: Firestore unavailable since 2026-05-01T11:58:00.000Z: 12 lease reads failed"
+    assert lines[1] == (
+        "  pod orders-7f9c-1-a1b2c3: owns none of 16 shards (its leases are lost (above)): it delivers no key"
+    )
+    orders.lease_problem = ""
+    text = format_table(response, NOW)
+    assert "LEASES LOST" not in text and "owns none of 16 shards (other pods own them" in text
+
+
+def test_a_growing_backlog_is_said_with_the_rates_and_for_how_long() -> None:
+    response = sample_response()
+    orders, prices = response.subscriptions
+    orders.capacity.intake_per_second = 120.0
+    orders.capacity.delivered_per_second = 100.0
+    orders.capacity.deficit_per_second = 20.0
+    orders.capacity.growing_for.CopyFrom(duration(302))
+    prices.capacity.intake_per_second = 5.0
+    prices.capacity.delivered_per_second = 5.0
+    prices.capacity.growing_for.CopyFrom(duration(0))
+    document = status_to_dict(response, NOW)["subscriptions"]
+    assert document[0]["capacity"] == {
+        "intake_per_second": 120.0, "delivered_per_second": 100.0, "deficit_per_second": 20.0,
+        "backlog_growing": True, "growing_for_seconds": 302.0,
+    }  # fmt: skip
+    assert document[1]["capacity"]["backlog_growing"] is False
+    text = format_table(response, NOW)
+    assert (
+        "  BACKLOG GROWING for 5m02s: 20.0 msg/s more in than out; intake 120.0 msg/s, delivery 100.0 msg/s "
+        "(last minute)" in text.splitlines()
+    )
+    assert "  capacity: intake 5.0 msg/s, delivery 5.0 msg/s (last minute); the backlog does not grow" in text
+    assert status_to_dict(sample_response(), NOW)["subscriptions"][0]["capacity"] is None

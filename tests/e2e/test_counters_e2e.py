@@ -1,19 +1,33 @@
-"""End to end: every counter a pod exports only grows while shards move between pods (issue 31, item 4).
+"""End to end: honest counters and states (issue 31, items 4 and 5).
 
-A counter that falls breaks every ``increase()`` and ``rate()`` alert. The engine of a shard is
-dropped when another pod takes the shard; the counts it made must stay in the pod's totals.
+- Every counter a pod exports only grows while shards move between pods: a counter that falls
+  breaks every ``increase()`` and ``rate()`` alert. The engine of a shard is dropped when another
+  pod takes the shard; the counts it made stay in the pod's totals.
+- A malformed message is counted as a dead letter of reason ``malformed``, logged at WARNING, and
+  its dead letter carries its key when the key attribute was readable.
+- While Firestore does not answer, status says the leases are lost and why, and /readyz names the cause.
+- Status and metrics show intake against delivery.
 """
 
 from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 import pytest
 from conftest import Scenario, Sub
 from e2e_config import order_message
 from e2e_processes import SidecarProcess
-from e2e_waits import async_wait_until
+from e2e_waits import async_poll, async_wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from pubsub_sidecar.v1 import sidecar_pb2
 from pubsub_sidecar_client.status import get_status
+from sidecar.commands.status import format_table
 
 pytestmark = pytest.mark.e2e
 
@@ -109,3 +123,85 @@ async def test_a_malformed_message_is_counted_warned_about_and_found_by_its_key(
         if "dead-lettered" in record.get("message", "") and "malformed" in record["message"]
     ]
     assert len(warned) == 2 and all(record["severity"] == "WARNING" for record in warned), warned
+
+
+async def test_status_and_readiness_say_why_leases_are_lost_while_firestore_does_not_answer(
+    scenario: Scenario,
+) -> None:
+    sub = scenario.add_subscription("leased", sharding={"shards": 4, "lease_duration": "10s"})
+    pod = scenario.pod_sidecar(0)
+    pod.start(wait_ready=False)
+    await pod.async_wait_ready()
+    await async_wait_until(lambda: _shards_sync(scenario, sub) == 4, "pod 0 owns every shard", 60)
+
+    async def lease_problem() -> str:
+        response = await get_status(scenario.pod_listen(0), sub.name)
+        return response.subscriptions[0].lease_problem
+
+    assert await lease_problem() == ""
+    scenario.emulators.add_fault(service="firestore", method="*", code="UNAVAILABLE")
+    try:
+        problem = await async_poll(lease_problem, "status to say the leases are lost", 60)
+        assert problem.startswith("Firestore unavailable since ") and "lease reads failed" in problem
+        response = await get_status(scenario.pod_listen(0), sub.name)
+        table = format_table(response, datetime.now(UTC))
+        assert "  LEASES LOST: Firestore unavailable since " in table
+        status, firestore = await async_poll(lambda: _readyz_firestore(pod), "/readyz to answer", 30)
+        # "no answer from Firestore within 5 s (TimeoutError)" while the client retries, or the error's own text.
+        assert status == 503 and "Firestore" in firestore and not firestore.rstrip().endswith(":"), firestore
+    finally:
+        scenario.emulators.clear_faults("firestore")
+    await async_poll(lambda: _cleared(lease_problem), "status to stop saying the leases are lost", 60)
+
+
+async def _readyz_firestore(pod: SidecarProcess) -> tuple[int, str] | None:
+    """/readyz's status and its Firestore check, or None while it does not answer. A check waits up to
+    5 s for Firestore, so the probe waits longer than ``http_get`` does."""
+
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://{pod.http}/readyz", timeout=20) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError:
+            return 0, ""
+
+    status, body = await asyncio.to_thread(get)
+    try:
+        return status, json.loads(body)["checks"]["firestore"]
+    except (ValueError, KeyError):
+        return None
+
+
+async def _cleared(problem: Callable[[], Awaitable[str]]) -> bool:
+    return not await problem()
+
+
+async def test_status_and_metrics_show_intake_against_delivery(scenario: Scenario) -> None:
+    sub = scenario.add_subscription("measured")
+    sidecar = await scenario.start_sidecar()
+    app = scenario.app(sub)
+
+    async def capacity() -> sidecar_pb2.CapacityStatus | None:
+        response = await get_status(scenario.listen, sub.name)
+        status = response.subscriptions[0]
+        return status.capacity if status.HasField("capacity") else None
+
+    # Rates appear once the sidecar sampled 10 s of its totals: nothing came in, nothing grows.
+    idle = await async_poll(capacity, "capacity in GetStatus", 60)
+    assert (idle.intake_per_second, idle.delivered_per_second, idle.growing_for.ToSeconds()) == (0, 0, 0)
+    await scenario.pubsub.publish_all(sub.topic, [order_message(f"m{k}", s) for k in range(10) for s in (1, 2, 3)])
+    await async_wait_until(lambda: len(app.confirmed_at) >= 30, "every message confirmed")
+    # Every message was finished: both rates show them, and the backlog is not said to grow.
+    await async_wait_until(
+        lambda: (
+            sidecar.metric("pubsub_sidecar_backlog_deficit_seconds", subscription=sub.name) == 0
+            and sidecar.metric("pubsub_sidecar_backlog_deficit", subscription=sub.name) == 0
+        ),
+        "intake and delivery to match over the window",
+    )
+    assert sidecar.metric("pubsub_sidecar_intake_rate", subscription=sub.name) > 0
+    assert sidecar.metric("pubsub_sidecar_delivery_rate", subscription=sub.name) > 0
+    after = await capacity()
+    assert after is not None and after.intake_per_second > 0 and after.intake_per_second == after.delivered_per_second

@@ -11,6 +11,7 @@ from kustomize_build import render
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sidecar.config.durations import parse_duration_ms
+from sidecar.ops.capacity import Capacity
 from sidecar.ops.observability import SidecarCollector, SubscriptionMetrics
 
 ALERTS = Path(__file__).resolve().parents[2] / "k8s" / "alerts"
@@ -29,7 +30,7 @@ def exported_metrics() -> dict[str, set[str]]:
         subscription="orders", received=1, malformed=0, duplicates=0, delivered=1, acked=0, nacked=1, late=0,
         dead_lettered={"app_dead_letter": 1}, buffered=1, in_flight=0, keys_blocked=1,
         oldest_undelivered_age_seconds=3.0, watermark_lag_seconds=None, keys_blocked_dead_letter=1,
-        shards_owned=2, lease_blocked_shards=1,
+        shards_owned=2, lease_blocked_shards=1, capacity=Capacity(12.0, 10.0, 60.0, 120.0), lease_problem=True,
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(SidecarCollector(lambda: [snapshot]))
@@ -51,6 +52,9 @@ def test_the_rule_renders_as_a_prometheus_rule(rule: dict[str, Any]) -> None:
         "PubsubSidecarDeadLetterBacklogOld",
         "PubsubSidecarStreamingPullFailing",
         "PubsubSidecarLeaseDocumentBlocked",
+        "PubsubSidecarMalformedMessages",
+        "PubsubSidecarBacklogGrowing",
+        "PubsubSidecarLeaseReadsFailing",
     }
     for alert in alerts.values():
         assert alert["expr"].strip() and alert["labels"]["severity"] in ("page", "ticket")
@@ -70,4 +74,4 @@ def test_every_sidecar_metric_an_alert_uses_is_exported_with_its_labels(rule: di
                 for labels in re.findall(r"by \(([^)]*)\)", alert["expr"]):
                     sidecar_labels = {label.strip() for label in labels.split(",")} - {"namespace", "pod"}
                     assert sidecar_labels <= exported[name], f"{alert['alert']}: {sidecar_labels} not on {name}"
-    assert used == 4
+    assert used == 7

@@ -116,7 +116,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ...) -> None: ...
 
 class SubscriptionStatus(_message.Message):
-    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards", "pull_failure")
+    __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards", "pull_failure", "capacity", "lease_problem")
     class CountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,8 @@ class SubscriptionStatus(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PULL_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: str
     buffered: int
@@ -156,7 +158,21 @@ class SubscriptionStatus(_message.Message):
     shard_count: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     pull_failure: str
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., pod: _Optional[str] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., pull_failure: _Optional[str] = ...) -> None: ...
+    capacity: CapacityStatus
+    lease_problem: str
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[str] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., in_flight: _Optional[int] = ..., keys: _Optional[int] = ..., keys_blocked: _Optional[int] = ..., oldest_undelivered_age: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., watermark: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watermark_lag: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., counts: _Optional[_Mapping[str, int]] = ..., keys_detail: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., pod: _Optional[str] = ..., shard_count: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., pull_failure: _Optional[str] = ..., capacity: _Optional[_Union[CapacityStatus, _Mapping]] = ..., lease_problem: _Optional[str] = ...) -> None: ...
+
+class CapacityStatus(_message.Message):
+    __slots__ = ("intake_per_second", "delivered_per_second", "deficit_per_second", "growing_for")
+    INTAKE_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    DEFICIT_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    GROWING_FOR_FIELD_NUMBER: _ClassVar[int]
+    intake_per_second: float
+    delivered_per_second: float
+    deficit_per_second: float
+    growing_for: _duration_pb2.Duration
+    def __init__(self, intake_per_second: _Optional[float] = ..., delivered_per_second: _Optional[float] = ..., deficit_per_second: _Optional[float] = ..., growing_for: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard", "epoch")
