@@ -266,3 +266,18 @@ async def test_messages_taken_together_are_sent_in_batches_within_the_bound_and_
     await wait_until(lambda: len(answers) == 30, "every message answered")
     assert sorted(answers) == [(seq, True) for seq in range(1, 31)]
     assert (pods.forwarder.stats.sent, pods.forwarder.stats.batches) == (30, 4), "taken together: 8+8+8+6"
+
+
+async def test_an_owner_stopping_gives_forwarded_messages_back_to_their_sender_which_stores_them(make_pods) -> None:
+    pods = await make_pods().start()
+    sender, owner = pods.sender.ingestor, pods.owner.ingestor
+    assert sender is not None and owner is not None and pods.owner.runtime is not None
+    await pods.publish("S", 1)
+    delivery = await _take_one(pods)  # taken by the owner's fast path: its answer waits for the app
+    await owner.stop(grace_seconds=1.0)
+    await wait_until(lambda: pods.forwarder.stats.refused["failed"] == 1, "given back: REFUSED failed")
+    await wait_until(lambda: sender.counters.stored_for_owner == 1, "stored for the owner instead")
+    await wait_until(lambda: sender.counters.acked == 1, "acked once stored")
+    await pods.owner.runtime.ack("app", [delivery.delivery_id])
+    await wait_until(lambda: sender.held_messages == 0, "the sender settled everything")
+    assert pods.take(10) == [], "the stored copy is not delivered again"
