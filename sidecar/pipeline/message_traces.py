@@ -70,8 +70,9 @@ class _Trace:
     span: trace.Span
     shard: int
     epoch: int
-    opened_by: int
-    """``id()`` of the Message the span was opened for: a copy dropped later ends only its own span."""
+    opened_by: Message
+    """The Message the span was opened for (kept, so that no other object takes its ``id``): a copy
+    dropped later ends only a span it opened itself."""
     reading: Reading
     traceparent: str
     waited: list[str] = field(default_factory=list)
@@ -163,7 +164,7 @@ class MessageTraces:
                     self._end(action.message, "dead_lettered")
             elif isinstance(action, DropDuplicate):
                 found = self._open.get(_identity(action.message))
-                if found is not None and found.opened_by == id(action.message):
+                if found is not None and found.opened_by is action.message:
                     found.span.add_event("duplicate", {"reason": action.reason}, self._now_ns())
                     self._end(action.message, "duplicate")
                 elif found is not None:
@@ -330,7 +331,7 @@ class MessageTraces:
             span,
             shard,
             epoch,
-            id(message),
+            message,
             reading,
             format_traceparent(own.trace_id, own.span_id, int(own.trace_flags)),
         )
