@@ -4,7 +4,7 @@ Rules:
 
 - The secret is the content of ``peering.secret_file`` (a Kubernetes Secret mounted as a file), with
   surrounding whitespace (a trailing newline) removed; an empty or unreadable file is an error at
-  start (``PeerSecretError``, one line), never an open channel.
+  start (``sidecar.config.peering.read_peer_secret``: one line, exit 2), never an open channel.
 - Every call carries it as the binary metadata ``x-sidecar-peer-secret-bin``; the server compares it
   with its own in constant time (``hmac.compare_digest``), so a wrong guess takes as long as any.
   Missing or wrong: UNAUTHENTICATED, counted (``pubsub_sidecar_peer_unauthenticated_total``).
@@ -16,30 +16,9 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
-from pathlib import Path
 
 METADATA_KEY = "x-sidecar-peer-secret-bin"
 """Binary metadata (``-bin``): any bytes may be a secret."""
-
-_MAX_SECRET_BYTES = 4096
-
-
-class PeerSecretError(Exception):
-    """The secret file cannot be used; one line naming the file and why."""
-
-
-def read_secret(path: str) -> bytes:
-    """The secret in ``path``, stripped; raises ``PeerSecretError``."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise PeerSecretError(f"peering.secret_file {path!r} cannot be read: {exc.strerror or exc}") from None
-    secret = raw.strip()
-    if not secret:
-        raise PeerSecretError(f"peering.secret_file {path!r} is empty")
-    if len(secret) > _MAX_SECRET_BYTES:
-        raise PeerSecretError(f"peering.secret_file {path!r} holds more than {_MAX_SECRET_BYTES} bytes")
-    return secret
 
 
 class PeerCredentials:
