@@ -12,7 +12,9 @@ Rules:
   reports each batch it hands out through ``on_delivered`` (the publish-to-delivery histogram).
 - The Listen on the lease documents starts a lease round at once on a take, hand-over, release or
   request, never on a renewal; when it fails, the rounds still run every third of a lease.
-- ``pod_identity`` is new for every process, so that a restarted container is a new owner.
+- ``pod_identity`` is the pod's name, the same for every process of the pod (static membership):
+  a restarted container takes its own shards back at once, at new epochs, as a new incarnation of
+  the name (``sidecar.cluster.leases.members``), and a second process under a living name is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ def assemble_subscription(
     timed_store: TimedStore,
     dead_letters: DeadLetterPublisher,
     on_delivered: Callable[[str, Sequence[Deliver], int], None],
+    peer_address: str = "",
 ) -> SubscriptionParts:
     """Make ``sub``'s runtime, ownership, leases, ingest and watermark source, joined (nothing runs)."""
     runtime = SubscriptionRuntime(
@@ -86,6 +88,7 @@ def assemble_subscription(
         on_gained=ownership.on_gained,
         on_lost=ownership.on_lost,
         before_release=ownership.before_release,
+        address=peer_address,  # in this pod's member document: the forwarders' target, the restart's probe
     )
     runtime.pod = pod
     runtime.lease_check = leases.holds
@@ -104,11 +107,11 @@ def assemble_subscription(
 
 
 def pod_identity() -> str:
-    """This process among the pods of a subscription: the pod's name (``POD_NAME`` from the downward
-    API, else the host name), the process id and a random suffix, so that a restarted container is a
-    new owner whose epoch moves on, never a zombie taken for the live one."""
-    base = os.environ.get("POD_NAME") or socket.gethostname() or "sidecar"
-    return f"{base}-{os.getpid()}-{secrets.token_hex(3)}"
+    """This pod among the pods of a subscription: its name (``POD_NAME`` from the downward API, else
+    the host name), the same for every process the pod runs. Each process is a new incarnation of
+    the name (its member document): a zombie of an earlier one is never taken for the live one, and
+    its writes are fenced by epochs that moved on."""
+    return os.environ.get("POD_NAME") or socket.gethostname() or "sidecar"
 
 
 def _lease_counts(leases: ShardLeases, ownership: ShardOwnership) -> dict[str, int]:

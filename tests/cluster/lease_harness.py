@@ -29,6 +29,7 @@ class Member:
         *,
         lease_ms: int,
         monotonic_ms: Callable[[], int] = _monotonic_ms,
+        address: str = "",
     ) -> None:
         self.name = name
         self.documents = documents
@@ -44,6 +45,7 @@ class Member:
             on_gained=self._gained,
             on_lost=self._lost,
             before_release=self._before_release,
+            address=address,
         )
         self.task: asyncio.Task[None] | None = None
 

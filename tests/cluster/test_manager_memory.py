@@ -18,6 +18,7 @@ from lease_harness import SUB_PATH, FakeTime, Member, OverlapChecker, balanced, 
 
 from sidecar.cluster.leases import LeaseLayoutError, ShardLeases
 from sidecar.cluster.leases.layout import lease_fields, lease_path
+from sidecar.cluster.leases.members import member_path
 from sidecar.store import documents as docs
 from sidecar.store.api import ShardLost
 from sidecar.store.memory_documents import MemoryDocuments
@@ -137,6 +138,34 @@ async def test_release_all_drains_then_hands_over_and_a_poked_manager_holds_them
         await leaving.stop()
         await staying.stop()
         await checker.close()
+
+
+async def test_run_ends_when_cancelled_just_as_a_poke_wakes_it() -> None:
+    """A cancellation that comes as a poke wakes ``run()`` (``release_all`` pokes as it ends, and
+    shutdown cancels right after) must end it: on Python 3.11 ``asyncio.wait_for`` swallowed it, and
+    ``run()`` went on for good. The poke lands a few loop iterations before the cancellation, for
+    each count of iterations the window can take."""
+    for iterations in range(4):
+        clock, documents = _frozen()
+        member = _member(documents, clock, "pod-a")
+        member.start()
+        try:
+            leases = member.leases
+            await wait_until(lambda: len(leases.owned()) == SHARDS, "all shards held")  # noqa: B023 (awaited here)
+            rounds = member.leases.stats.rounds
+            await asyncio.sleep(0.05)  # the round is over: run() waits for the next period or a poke
+            assert member.leases.stats.rounds == rounds
+            task = member.task
+            assert task is not None
+            member.leases.poke()
+            for _ in range(iterations):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                async with asyncio.timeout(5):
+                    await task
+        finally:
+            member.task = None
 
 
 async def test_a_killed_manager_loses_its_shards_at_its_deadline_and_the_others_take_them_after_expiry() -> None:
@@ -327,7 +356,8 @@ async def test_a_bad_lease_document_stops_its_shard_only_named_once_and_is_never
 
 
 async def test_lease_documents_that_all_name_another_shard_count_stop_the_subscription_untouched() -> None:
-    """This pod's ``sharding.shards`` is the odd one out: refused before it writes anything."""
+    """This pod's ``sharding.shards`` is the odd one out: refused before it writes any lease document
+    (its own member document, written when it joined, is all it wrote)."""
     documents = MemoryDocuments()
     await documents.commit(
         [docs.create(lease_path(SUB_PATH, s), lease_fields(4, "pod-z", 3, 9, LEASE_MS, "")) for s in range(4)]
@@ -338,7 +368,9 @@ async def test_lease_documents_that_all_name_another_shard_count_stop_the_subscr
         await asyncio.wait_for(manager.run(), 5)
     assert "written with shards=4, this pod is configured with shards=8" in str(raised.value)
     assert SUB_PATH in str(raised.value) and "\n" not in str(raised.value)
-    assert documents.snapshot() == before
+    after = documents.snapshot()
+    assert after.pop(member_path(SUB_PATH, "pod-a"))["incarnation"] == manager.incarnation
+    assert after == before
 
 
 async def test_a_held_shard_whose_document_turns_corrupt_is_dropped_and_left_alone_until_repaired() -> None:

@@ -1,10 +1,13 @@
 """One subscription's shard leases for this pod: rounds of read, plan, compare-and-set.
 
+Before the first round the process joins under its pod name (``membership``: static membership).
 Every ``lease_ms / 3`` (sooner after ``poke()``, e.g. from a Listen on the lease documents) a round
-reads all S lease documents in one batched read, asks ``sidecar.cluster.leases.planner`` what to write,
-and writes it with one BatchWrite of compare-and-set writes (per-write outcomes: one lost race costs
-only that shard). A conflict (another pod wrote first) brings the next round forward. A round that
-created missing documents (free) reads and plans again at once, to take them.
+reads all S lease documents and this pod's member document in one batched read, asks
+``sidecar.cluster.leases.planner`` what to write, and writes it with the member document's beat in
+one BatchWrite of compare-and-set writes (per-write outcomes: one lost race costs only that shard).
+A conflict (another pod wrote first) brings the next round forward. A round that created missing
+documents (free) reads and plans again at once, to take them. A member document naming a newer
+process of this pod name drops every shard and ends ``run()`` (``Superseded``).
 
 Safety, and which clock serves what:
 
@@ -54,6 +57,8 @@ from sidecar.backoff import backoff_seconds
 from sidecar.cluster.leases import planner
 from sidecar.cluster.leases.holdings import Holding, Holdings
 from sidecar.cluster.leases.layout import LeaseView, lease_fields, lease_path, read_lease, shard_count_refusal
+from sidecar.cluster.leases.members import Superseded, answers
+from sidecar.cluster.leases.membership import Membership, Route
 from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
 from sidecar.shards import MAX_SHARDS
 from sidecar.store import documents as docs
@@ -134,6 +139,8 @@ class ShardLeases:
         on_gained: Callable[[int, int], Awaitable[None]],
         on_lost: Callable[[int, int], None],
         before_release: Callable[[int], Awaitable[None]],
+        address: str = "",
+        probe: Callable[[str], Awaitable[bool]] = answers,
     ) -> None:
         if not isinstance(shard_count, int) or isinstance(shard_count, bool) or not 1 <= shard_count <= MAX_SHARDS:
             raise ValueError(f"sharding.shards: must be an integer from 1 to {MAX_SHARDS}, got {shard_count!r}")
@@ -145,6 +152,8 @@ class ShardLeases:
             raise ValueError(f"pod id: must be a non-empty string, got {pod_id!r}")
         if not sub_path or sub_path.startswith("/") or sub_path.endswith("/"):
             raise ValueError(f"subscription path: must be a relative document path, got {sub_path!r}")
+        if not isinstance(address, str):
+            raise ValueError(f'peer address: must be a string ("" when unknown), got {address!r}')
         self._documents = documents
         self._sub_path = sub_path
         self._subscription = sub_path.rpartition("/")[2]
@@ -176,6 +185,9 @@ class ShardLeases:
         """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
         self._blocked: dict[int, str] = {}
         """Shard -> the problem of its lease document, as the last read saw it."""
+        self._membership = Membership(documents, sub_path, pod_id, address=address, lease_ms=lease_ms, probe=probe)
+        self._views: list[LeaseView] = []
+        """The lease documents as the last round read them (``route``)."""
 
     # ---- API for the runtime -------------------------------------------------------------------
 
@@ -184,6 +196,8 @@ class ShardLeases:
 
         Raises ``LeaseLayoutError`` when the lease documents name another shard count than this
         pod's, and whatever ``on_gained`` raised. A bad document stops its shard only (``blocked``)."""
+        if self._membership.incarnation is None:
+            await self._membership.join()
         while True:
             self._raise_failure()
             if self._left:
@@ -200,8 +214,12 @@ class ShardLeases:
                 self._soon += 1
             else:
                 self._soon = 0
+            # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a cancellation that comes as the
+            # poke does is swallowed by ``wait_for``, and the task would then wait for good (after
+            # ``release_all``) with its cancellation lost.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poked.wait(), delay_ms / 1000)
+                async with asyncio.timeout(delay_ms / 1000):
+                    await self._poked.wait()
 
     async def settled(self, timeout_seconds: float | None = None) -> bool:
         """Wait until the first round has completed and every shard it took is loaded (or lost
@@ -243,6 +261,18 @@ class ShardLeases:
     def blocked(self) -> dict[int, str]:
         """Shard -> why its lease document is left alone (one line naming it), as the last round saw it."""
         return dict(self._blocked)
+
+    def route(self, shard: int) -> Route | None:
+        """Who delivers ``shard`` as the last round read it, with the owner's address (the
+        forwarder's view); None when the lease is free, expired, unreadable, or not read yet."""
+        view = self._views[shard] if 0 <= shard < len(self._views) else None
+        if view is None or view.problem or view.is_free or view.expired:
+            return None
+        return Route(view.owner, view.epoch, self._membership.address_of(view.owner))
+
+    @property
+    def incarnation(self) -> int | None:
+        return self._membership.incarnation
 
     def fence(self, shard: int) -> docs.Fence:
         """The lease document as the fence of an advancing write; ``ShardLost`` when not held."""
@@ -296,6 +326,7 @@ class ShardLeases:
             if self._left:
                 return False
             conflict = False
+            beat = True
             # Missing documents are created free, then taken by a second pass at once (a first
             # round takes what it can, which ``settled`` relies on).
             for _ in range(2):
@@ -307,7 +338,10 @@ class ShardLeases:
                 self.stats.pods = plan.pods
                 for shard in plan.lost:
                     self._holdings.drop(shard)
-                conflict |= await self._send([w for w in plan.writes if w.action not in GIVING_UP])
+                # This pod's member document beats once a round, in the same BatchWrite.
+                member = self._membership.beat() if beat else None
+                beat = False
+                conflict |= await self._send([w for w in plan.writes if w.action not in GIVING_UP], member)
                 giving = [w for w in plan.writes if w.action in GIVING_UP]
                 if giving:
                     await self._before_giving_up({w.shard for w in giving if w.shard in self._holdings})
@@ -316,23 +350,28 @@ class ShardLeases:
                     break
             if self._first_round is None:
                 self._first_round = self._holdings.snapshot()
-            return conflict
+        await self._membership.refresh_addresses(self._views)
+        return conflict
 
     async def _leave_round(self) -> bool:
         """One leaving round; True when every lease naming this pod was handed over or freed."""
-        views = await self._read()
+        try:
+            views = await self._read()
+        except Superseded:
+            return True  # a newer process of this pod name holds what this one held
         if views is None:
             return False
         plan = planner.plan(views, self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE)
         for shard in self._holdings.shards():
             self._holdings.drop(shard, counted=shard in plan.lost)
-        return not await self._send(list(plan.writes)) and not plan.lost
+        # The member document says this process left: a process restarted under the name takes it at once.
+        return not await self._send(list(plan.writes), self._membership.beat(left=True)) and not plan.lost
 
     async def _read(self) -> list[LeaseView] | None:
         self.stats.rounds += 1
         self._holdings.expire_due()
         try:
-            read_us, versions = await self._documents.get_versioned(self._paths)
+            read_us, versions = await self._documents.get_versioned([*self._paths, self._membership.path])
         except StoreUnavailable as exc:
             self.stats.read_failures += 1
             _LOGGER.warning("subscription %s: lease read failed, retrying next round: %s", self._subscription, exc)
@@ -346,7 +385,14 @@ class ShardLeases:
         refusal = shard_count_refusal(self._sub_path, self._shard_count, views)
         if refusal is not None:
             raise refusal
+        stop = self._membership.check(read_us, versions)
+        if stop is not None:
+            # A newer process of this pod name takes every shard at new epochs: stop holding them now.
+            for shard in self._holdings.shards():
+                self._holdings.drop(shard)
+            raise stop
         self._note_problems(views)
+        self._views = views
         return views
 
     def _note_problems(self, views: Sequence[LeaseView]) -> None:
@@ -391,9 +437,10 @@ class ShardLeases:
             if shard in self._holdings:
                 self._holdings.drop(shard, counted=False)
 
-    async def _send(self, writes: Sequence[LeaseWrite]) -> bool:
-        """Write ``writes`` (one BatchWrite); True when one lost a race (another pod wrote first)."""
-        if not writes:
+    async def _send(self, writes: Sequence[LeaseWrite], member: docs.Write | None = None) -> bool:
+        """Write ``writes`` and ``member`` (this pod's member document) in one BatchWrite; True when
+        one lost a race (another pod wrote first) or failed."""
+        if not writes and member is None:
             return False
         batch = [
             docs.compare_and_set(
@@ -403,6 +450,8 @@ class ShardLeases:
             )
             for w in writes
         ]
+        if member is not None:
+            batch.append(member)
         # The margin counts from before the request leaves: the write's update time is later.
         sent_ms = self._monotonic_ms()
         try:
@@ -414,6 +463,14 @@ class ShardLeases:
             _LOGGER.warning("subscription %s: lease write failed, retrying soon: %s", self._subscription, exc)
             return True
         conflict = False
+        if member is not None:
+            code, message = statuses.pop()
+            if code != docs.OK:
+                # The next round's read tells why: a blip, a deletion by hand, or a newer process of this name.
+                conflict = True
+                _LOGGER.warning(
+                    "subscription %s: member document write failed: %d %s", self._subscription, code, message
+                )
         for write, (code, message) in zip(writes, statuses, strict=True):
             if code == docs.OK:
                 self._applied(write, sent_ms)
