@@ -9,7 +9,8 @@ this pod owns (``sidecar.pipeline.shard_engines``); the lease manager (``sidecar
 - ``drop`` forgets a shard at once: its engine and held messages (they stay pending in the store),
   its load, its in-flight ids (they become unknown: their acks are refused, never confirmed, and the
   next owner delivers those messages again, which G3 allows for unconfirmed acks), and its
-  unsettled fast-path messages (given back to Pub/Sub).
+  unsettled fast-path messages (given back to Pub/Sub). A shard drained first (``drain``) was
+  handed over on purpose: logged at INFO; any other drop (a lease lost or fenced) at WARNING.
 - ``drain`` stops handing a shard out and waits (bounded) for its in-flight acks to be durable,
   then writes its checkpoint, before a graceful hand-over. A flush that cannot finish in time costs
   the next owner a longer load, never a message: the tombstones are durable already.
@@ -90,11 +91,14 @@ class ShardOwnership:
         ctx.store.release(ctx.name, frozenset({shard}))
         self._fast_path.settle_all(entry)
         ctx.counters.shards_dropped += 1
-        _LOGGER.warning(
-            "subscription %s: shard %d (epoch %d) dropped; its keys are delivered by its next owner",
+        # A shard drained first was handed over on purpose (a rebalance, a stop): normal operation.
+        _LOGGER.log(
+            logging.INFO if entry.draining else logging.WARNING,
+            "subscription %s: shard %d (epoch %d) %s; its keys are delivered by its next owner",
             ctx.name,
             shard,
             entry.epoch,
+            "handed over" if entry.draining else "dropped (its lease was lost or fenced)",
         )
         ctx.progress.set()
         self._wake_streams()
