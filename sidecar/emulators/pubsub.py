@@ -9,6 +9,9 @@ Rules kept here:
   and becomes INTERNAL, never UNKNOWN (the publisher retries UNKNOWN silently for ten minutes);
 - StreamingPull fails with NOT_FOUND when the subscription is missing (the client never checks it
   first) and is only ever ended by the server with a non-OK code (OK would stop the subscriber);
+- every way a StreamingPull ends goes through ``Broker.end_stream`` (the reader on half-close or a
+  bad request, the RPC's done callback on cancel, lost connection or abort, the broker on a break
+  or deletion), so the broker never leases to a stream whose RPC is over;
 - push delivery, exactly-once delivery, filters and schemas are refused (see docs/emulators.md).
 """
 
@@ -306,6 +309,9 @@ class PubsubEmulator:
             code = exc.code if isinstance(exc, PubsubError) else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(exc))
             return
+        # However the RPC ends (client cancel, lost connection, a failed write, a server abort), the
+        # stream is forgotten when it ends, not when its generator happens to be finalized.
+        context.add_done_callback(lambda _: self.broker.end_stream(stream, grpc.StatusCode.CANCELLED, "RPC ended"))
         reader = asyncio.create_task(self._read_stream(requests, stream))
         try:
             while True:
@@ -323,6 +329,7 @@ class PubsubEmulator:
                     yield response
                     stream.writing_since = None
                 else:
+                    self.broker.writer_idle(stream)
                     await stream.wake.wait()
         finally:
             reader.cancel()
@@ -373,13 +380,13 @@ class PubsubEmulator:
                         raise invalid(f"StreamingPull: stream_ack_deadline_seconds out of range (got {deadline})")
                     stream.deadline_seconds = deadline
                 self._stream_acks(sub, request)
-            stream.end(grpc.StatusCode.OK, "client half-closed the stream")
+            self.broker.end_stream(stream, grpc.StatusCode.OK, "client half-closed the stream")
         except PubsubError as exc:
-            stream.end(exc.code, exc.message)
+            self.broker.end_stream(stream, exc.code, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the transport failed under us: end the stream, the client reconnects
-            stream.end(grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
+            self.broker.end_stream(stream, grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
 
 
 def _fill(received: Any, sub: Subscription, leases: list[Lease]) -> None:

@@ -17,10 +17,18 @@ Invariants:
   expiry (message available again, or forwarded to the dead-letter topic once
   ``max_delivery_attempts`` deliveries were made), or revocation by Seek. Stale ack ids (of an
   ended lease) are accepted and ignored, as production does.
-- Dispatch spreads messages over all open streams of a subscription that have flow-control room,
-  round-robin from a rotating start, each getting an equal share of what is available (as
-  production does; the first stream to wake does not get everything). Dispatch runs once per
-  loop iteration at most, after whatever made messages available or freed room.
+- Dispatch spreads messages over all open streams of a subscription that have flow-control room
+  and nothing left unwritten in their outbox, each getting an equal share of what is available,
+  the least loaded (fewest outstanding messages) first, ties round-robin from a rotating start
+  (as production does; the first stream to wake, or one that never acks, does not get
+  everything). A stream whose writer has not written all it was given (its client stopped
+  reading) gets nothing more; its writer asks for a dispatch once caught up (``writer_idle``).
+  Dispatch runs once per loop iteration at most, after whatever made messages available or
+  freed room.
+- A stream that ends (half-close, cancel, lost connection, failed read or write, server break,
+  subscription deleted) is forgotten at once by ``end_stream``, not when its RPC's generator
+  happens to finish: it leaves ``sub.streams`` (no dispatch reaches it again) and the leases in
+  its outbox, never written, are given back (not counted as an attempt).
 - With ``enable_message_ordering``, a message with an ordering key is leased only while no other
   message of its key is leased or waiting out a backoff; the rest of the key waits in ``held`` in
   publish order. A nack or expiry puts the message back in front of them, so the key is
@@ -176,7 +184,7 @@ class Broker:
         sub.available.clear()
         sub.held.clear()
         for stream in list(sub.streams):
-            stream.end(grpc.StatusCode.NOT_FOUND, f"Subscription does not exist: {name}")
+            self.end_stream(stream, grpc.StatusCode.NOT_FOUND, f"Subscription does not exist: {name}")
         sub.pull_wake.set()
 
     # -- publishing ----------------------------------------------------------------------------
@@ -226,9 +234,18 @@ class Broker:
         self.notify(sub)
         return stream
 
+    def end_stream(self, stream: StreamState, code: grpc.StatusCode, message: str) -> None:
+        """End a stream (its writer then finishes the RPC with ``code``) and forget it at once: no
+        dispatch reaches it from now on, even while its writer still waits on a blocked write."""
+        stream.end(code, message)
+        self.close_stream(stream)
+
     def close_stream(self, stream: StreamState) -> None:
-        """Forget a stream. Leases it wrote stay valid (the client acks through unary calls) until they
-        expire; leases still in its outbox were never delivered and are given back at once."""
+        """Forget a stream (idempotent). Leases it wrote stay valid (the client acks through unary
+        calls) until they expire; leases still in its outbox were never delivered and are given back
+        at once, to go to the other streams."""
+        if stream.closed:
+            return
         stream.closed = True
         sub = stream.subscription
         sub.streams.pop(stream, None)
@@ -247,7 +264,7 @@ class Broker:
     def break_streams(self, code: grpc.StatusCode, message: str) -> int:
         streams = [s for sub in self.subscriptions.values() for s in sub.streams]
         for stream in streams:
-            stream.end(code, message)
+            self.end_stream(stream, code, message)
         return len(streams)
 
     def notify(self, sub: Subscription) -> None:
@@ -267,13 +284,16 @@ class Broker:
                 self.dispatch(sub)
 
     def dispatch(self, sub: Subscription) -> None:
-        """Lease available messages to the open streams with room: equal shares, round-robin."""
+        """Lease available messages to the open streams that take them: equal shares, least loaded
+        first (ties round-robin). A stream with leases not yet written (its writer waits on a client
+        that stopped reading, or has not run yet) gets nothing; its writer asks again once caught up."""
         if not sub.available or not sub.streams:
             return
         streams = list(sub.streams)
         start = sub.next_stream % len(streams)
         sub.next_stream = start + 1  # the next dispatch starts one stream further on
-        ready = [s for s in streams[start:] + streams[:start] if s.is_open and s.has_room()]
+        ready = [s for s in streams[start:] + streams[:start] if s.is_open and not s.outbox and s.has_room()]
+        ready.sort(key=_load)  # stable: equal loads keep the rotation
         now = self._now()
         # Rounds of equal shares: a stream that filled up (or got nothing: what is left does not fit
         # its budget, or is held behind busy keys) drops out and the rest share what remains.
@@ -290,6 +310,11 @@ class Broker:
                 if not sub.available:
                     break
             ready = still_ready
+
+    def writer_idle(self, stream: StreamState) -> None:
+        """A stream's writer has written everything leased to it: dispatch again if messages wait."""
+        if stream.is_open and stream.subscription.available:
+            self.notify(stream.subscription)
 
     def take(self, sub: Subscription, max_messages: int) -> list[Lease]:
         """A unary Pull: lease up to ``max_messages`` available messages, within one response."""
@@ -575,3 +600,7 @@ class Broker:
                 oldest = next(iter(sub.unacked.values()))
                 result[name] = Backlog(oldest.publish_time_ns, len(sub.unacked))
         return result
+
+
+def _load(stream: StreamState) -> int:
+    return stream.outstanding_messages
