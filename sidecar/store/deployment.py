@@ -8,9 +8,11 @@ same list as ``firestore.indexes.json`` (a test keeps the two equal); the sideca
 repository at run time, so the list lives here.
 
 ``sidecar.store.firestore.check_deployment`` reads each field through the FirestoreAdmin API and
-hands the answers to ``deployment_warnings``, which returns one warning per missing piece, each
-naming the command that fixes it; ``unverifiable_warning`` is the one warning when the admin API
-refuses. Nothing here fails a start.
+hands the answers to ``deployment_warnings``, which returns at most one warning: a summary of
+everything missing (the TTL policy, the fields still indexed, by collection group) with the one
+command that deploys it all and the per-field commands' form; ``unverifiable_warning`` is the one
+warning when the admin API refuses. One line, not one per field: an operator acts on the whole
+file at once, and 45 lines at every start drown the log. Nothing here fails a start.
 """
 
 from __future__ import annotations
@@ -60,26 +62,35 @@ def fields_to_check() -> list[tuple[str, str]]:
 
 
 def deployment_warnings(answers: Mapping[tuple[str, str], FieldState], database: str) -> list[str]:
-    """One warning per missing piece (TTL policy, each missing exemption), with the command to run."""
-    warnings: list[str] = []
+    """At most one warning: everything missing (TTL policy, fields still indexed) and the commands to run."""
+    problems: list[str] = []
     ttl = answers.get((TTL_GROUP, TTL_FIELD))
     if ttl is None or not ttl.ttl_active:
-        warnings.append(
-            f"Firestore TTL policy on {TTL_GROUP}.{TTL_FIELD} is not active in database {database}: finished "
-            "messages are never deleted. Run: gcloud firestore fields ttls update "
-            f"{TTL_FIELD} --collection-group={TTL_GROUP} --enable-ttl --database={database}"
+        problems.append(
+            f"the TTL policy on {TTL_GROUP}.{TTL_FIELD} is not active (finished messages are never deleted; "
+            f"gcloud firestore fields ttls update {TTL_FIELD} --collection-group={TTL_GROUP} --enable-ttl "
+            f"--database={database})"
         )
+    indexed: dict[str, list[str]] = {}
     for group, name in fields_to_check():
         state = answers.get((group, name))
-        if state is not None and state.exempted:
-            continue
-        warnings.append(
-            f"Firestore field {group}.{name} is still indexed in database {database}: every write pays an index "
-            "entry (and a monotonic field caps the collection near 500 writes/s). Run: gcloud firestore indexes "
-            f"fields update {name} --collection-group={group} --disable-indexes --database={database} "
-            "(or deploy all exemptions at once: firebase deploy --only firestore:indexes)"
+        if state is None or not state.exempted:
+            indexed.setdefault(group, []).append(name)
+    if indexed:
+        count = sum(len(names) for names in indexed.values())
+        listed = "; ".join(f"{group}: {', '.join(names)}" for group, names in indexed.items())
+        problems.append(
+            f"{count} fields are still indexed ({listed}): every write pays an index entry per field, and a "
+            "monotonic one caps its collection near 500 writes/s (one by one: gcloud firestore indexes fields "
+            f"update FIELD --collection-group=GROUP --disable-indexes --database={database})"
         )
-    return warnings
+    if not problems:
+        return []
+    return [
+        f"Firestore database {database} is not deployed as the sidecar expects: {'; and '.join(problems)}. "
+        "Deploy the repository's firestore.indexes.json, all of it at once: firebase deploy --only firestore:indexes "
+        "(docs/operations.md)"
+    ]
 
 
 def unverifiable_warning(database: str, reason: str) -> str:

@@ -2,7 +2,7 @@
 
 ``check_deployment`` reads the fields through the official admin client from our emulator: with the
 shipped ``firestore.indexes.json`` loaded it warns of nothing; without it (production's defaults)
-it warns once per field and once for the TTL policy; a refused admin API gives one warning.
+it gives one summary warning naming every field and the TTL policy; a refused admin API gives one warning.
 """
 
 from __future__ import annotations
@@ -52,20 +52,26 @@ def test_a_complete_deployment_has_no_warning() -> None:
     assert deployment.deployment_warnings(_all_good(), _DB) == []
 
 
-def test_each_missing_piece_is_one_warning_naming_its_command() -> None:
+def test_every_missing_piece_is_in_one_warning_naming_the_commands() -> None:
     answers = _all_good()
     answers[("messages", "expire_at")] = deployment.FieldState(exempted=True, ttl_active=False)
     answers[("keys", "pos_ts")] = deployment.FieldState(exempted=False, ttl_active=False)
-    warnings = deployment.deployment_warnings(answers, "orders-db")
-    assert len(warnings) == 2
-    assert warnings[0].endswith(
-        "gcloud firestore fields ttls update expire_at --collection-group=messages --enable-ttl --database=orders-db"
-    )
+    answers[("messages", "seq")] = deployment.FieldState(exempted=False, ttl_active=False)
+    [warning] = deployment.deployment_warnings(answers, "orders-db")
     assert (
-        "gcloud firestore indexes fields update pos_ts --collection-group=keys --disable-indexes --database=orders-db"
-        in warnings[1]
+        "gcloud firestore fields ttls update expire_at --collection-group=messages --enable-ttl --database=orders-db"
+        in warning
     )
-    assert "firebase deploy --only firestore:indexes" in warnings[1]
+    assert "2 fields are still indexed (messages: seq; keys: pos_ts)" in warning
+    assert "--collection-group=GROUP --disable-indexes --database=orders-db" in warning
+    assert warning.endswith("firebase deploy --only firestore:indexes (docs/operations.md)")
+
+
+def test_only_the_ttl_policy_missing_is_one_warning_about_it_alone() -> None:
+    answers = _all_good()
+    answers[("messages", "expire_at")] = deployment.FieldState(exempted=True, ttl_active=False)
+    [warning] = deployment.deployment_warnings(answers, "d")
+    assert "TTL policy" in warning and "still indexed" not in warning
 
 
 @pytest.fixture
@@ -88,15 +94,15 @@ async def test_the_shipped_file_deployed_logs_nothing(configured: str, caplog: p
     assert caplog.records == []
 
 
-async def test_production_defaults_log_one_warning_per_missing_piece(
+async def test_production_defaults_log_one_summary_warning(
     emulator: Emulator, caplog: pytest.LogCaptureFixture
 ) -> None:
     log = logging.getLogger("test.deployment")
     with caplog.at_level(logging.WARNING, logger="test.deployment"):
         await check_deployment("p", _DB, log)
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == len(deployment.fields_to_check()) + 1  # each field, and the TTL policy
-    assert sum("--enable-ttl" in m for m in messages) == 1
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "--enable-ttl" in message
+    assert f"{len(deployment.fields_to_check())} fields are still indexed" in message
 
 
 async def test_a_refused_admin_api_is_one_warning_naming_the_role(
