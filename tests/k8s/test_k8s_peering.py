@@ -18,11 +18,13 @@ mutated renderings to show that each kind of opening is caught.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kustomize_build import Resource
-from rendered_manifests import BASE, only, pod_spec, rendered_copy, sidecar_container
+from rendered_manifests import BASE, CONFIG_KEY, loaded_config, only, pod_spec, rendered_copy, sidecar_container
 
 PEER_PORT_NAME = "peer"
 PEER_PORT = 7100
@@ -204,4 +206,93 @@ def test_an_opening_in_the_policy_is_caught(drift: str) -> None:
     assert policy_problems(resources) == []
     mutate(resources)
     found = policy_problems(resources)
+    assert any(mentioned in problem for problem in found), found
+
+
+# ---- the config names what the pod has --------------------------------------------------------
+
+
+def peering_problems(resources: list[Resource], directory: Path) -> list[str]:
+    """Every way the ConfigMap's ``peering`` section, as the sidecar loads it, misses the pod."""
+    found: list[str] = []
+    peering = loaded_config(resources, directory).peering
+    if peering is None or not peering.enabled:
+        return ["no peering section with a port: the peer channel is off, every forward goes the inbox's way"]
+    container = sidecar_container(resources)
+    mount, volume = secret_volume(resources)
+    files = [f"{mount['mountPath']}/{item['path']}" for item in volume["secret"]["items"]]
+    if peering.secret_file not in files:
+        found.append(f"peering.secret_file {peering.secret_file!r} is not the mounted secret {files}")
+    if peering.port != container_port(container, PEER_PORT_NAME):
+        found.append(f"peering.port {peering.port} is not the container port `peer`")
+    if peering.trusted_network:
+        found.append("peering.trusted_network is on: the peer channel would take calls without the secret")
+    env = {e["name"] for e in container.get("env", [])}
+    if not peering.advertise_address and "POD_IP" not in env:
+        found.append("peering.advertise_address defaults to $POD_IP, which the container lacks")
+    return found
+
+
+def test_the_config_names_the_mounted_secret_and_the_peer_port(rendered: list[Resource], tmp_path: Path) -> None:
+    config = loaded_config(rendered, tmp_path)
+    assert config.peering is not None
+    assert config.peering.port == PEER_PORT
+    assert config.peering.secret_file == f"/var/run/secrets/{SECRET_NAME}/{SECRET_KEY}"
+    assert peering_problems(rendered, tmp_path) == []
+
+
+def _edit_config(old: str, new: str) -> Callable[[list[Resource]], None]:
+    def mutate(resources: list[Resource]) -> None:
+        data = only(resources, "ConfigMap")["data"]
+        assert old in data[CONFIG_KEY], old
+        data[CONFIG_KEY] = data[CONFIG_KEY].replace(old, new)
+
+    return mutate
+
+
+def _move_the_mount(resources: list[Resource]) -> None:
+    mount, _ = secret_volume(resources)
+    mount["mountPath"] = "/etc/peer"
+
+
+def _change_the_container_port(resources: list[Resource]) -> None:
+    (port,) = [p for p in sidecar_container(resources)["ports"] if p["name"] == PEER_PORT_NAME]
+    port["containerPort"] = 7200
+
+
+def _drop_pod_ip(resources: list[Resource]) -> None:
+    container = sidecar_container(resources)
+    container["env"] = [e for e in container["env"] if e["name"] != "POD_IP"]
+
+
+def _drop_the_section(resources: list[Resource]) -> None:
+    data = only(resources, "ConfigMap")["data"]
+    config = yaml.safe_load(data[CONFIG_KEY])
+    del config["peering"]
+    data[CONFIG_KEY] = yaml.safe_dump(config)
+
+
+CONFIG_DRIFTS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
+    "secret-file-elsewhere": (
+        _edit_config(f"/var/run/secrets/{SECRET_NAME}/{SECRET_KEY}", "/etc/peer/secret"),
+        "is not the mounted secret",
+    ),
+    "mount-moved": (_move_the_mount, "is not the mounted secret"),
+    "config-port": (_edit_config("port: 7100", "port: 7101"), "is not the container port"),
+    "container-port": (_change_the_container_port, "is not the container port"),
+    "trusted-network": (_edit_config("trusted_network: false", "trusted_network: true"), "without the secret"),
+    "no-pod-ip": (_drop_pod_ip, "$POD_IP"),
+    "channel-off": (_edit_config("port: 7100", "port: 0"), "the peer channel is off"),
+    "no-section": (_drop_the_section, "the peer channel is off"),
+}
+
+
+@pytest.mark.parametrize("drift", CONFIG_DRIFTS)
+def test_a_config_that_misses_the_pod_is_caught(drift: str, tmp_path: Path) -> None:
+    """Guards the check above: the config and the pod drifting apart, on either side."""
+    mutate, mentioned = CONFIG_DRIFTS[drift]
+    resources = rendered_copy(BASE)
+    assert peering_problems(resources, tmp_path) == []
+    mutate(resources)
+    found = peering_problems(resources, tmp_path)
     assert any(mentioned in problem for problem in found), found
