@@ -111,10 +111,11 @@ def test_subscriber_with_capped_lease_extension_never_leases_for_longer(
         future.result(timeout=30)
 
 
-def test_lease_report_refuses_bad_and_unknown_subscriptions(emulators: Emulators) -> None:
+@pytest.mark.parametrize("report", ["leases", "unacked", "finished", "streams"])
+def test_reports_refuse_bad_and_unknown_subscriptions(emulators: Emulators, report: str) -> None:
     emulators.require_admin()
-    status, body = emulators.admin("GET", "/pubsub/leases?subscription=nope")
+    status, body = emulators.admin("GET", f"/pubsub/{report}?subscription=nope")
     assert status == 400 and body["error"].startswith("subscription:")
     absent = f"projects/{emulators.project}/subscriptions/absent"
-    status, body = emulators.admin("GET", f"/pubsub/leases?subscription={absent}")
+    status, body = emulators.admin("GET", f"/pubsub/{report}?subscription={absent}")
     assert status == 404
