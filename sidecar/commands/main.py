@@ -27,6 +27,7 @@ _COMMANDS: dict[str, str] = {
     "dead-letters": "sidecar.commands.dead_letters:run_command",
     "unblock": "sidecar.commands.unblock:run_command",
     "skip-gap": "sidecar.commands.skip_gap:run_command",
+    "outbox": "sidecar.commands.outbox:run_command",
     "bench": "bench.__main__:run_command",
 }
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the last missing sequence to skip (`status` prints the whole gap's)",
     )
     skip_gap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the sidecar (default 30)")
+
+    outbox = sub.add_parser("outbox", help="list, retry and discard outbox entries a relay cannot publish")
+    importlib.import_module("sidecar.commands.outbox").add_arguments(outbox)
 
     bench = sub.add_parser("bench", help="benchmark the sidecar against the raw subscriber")
     bench.add_argument("--quick", action="store_true")

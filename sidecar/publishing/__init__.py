@@ -11,6 +11,7 @@ counter in one fenced Commit.
 - ``shard_relay``: one held shard's step: plan, publish, settle.
 - ``relay``: ``Relay``, one configured relay on this pod: the outbox's Listen, the shard leases, a
   worker per held shard, its status.
+- ``waiting_room``: what waits, retried or discarded by an operator (``pubsub-sidecar outbox``).
 
 May import ``sidecar.store`` (the outbox, counters and fenced Commits, through ``sidecar.store.outbox``),
 ``sidecar.cluster`` (the shard leases: one writer per key across pods), ``sidecar.config``,

@@ -85,6 +85,11 @@ class Relay:
         self._workers: dict[int, tuple[asyncio.Task[None], ShardRelay]] = {}
         self._totals = ShardCounts()
         self._listening: docs.Listening | None = None
+        self._waiting_listening: docs.Listening | None = None
+        self._given_up: dict[str, str] = {}
+        """Entry id -> reason, for the entries the relay gave up on (the waiting documents)."""
+        self._writes: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._listen_failures = 0
         self.snapshots = 0
         self.leases = leases(
@@ -121,25 +126,66 @@ class Relay:
 
     # ---- the view --------------------------------------------------------------------------
 
-    def _listen(self) -> None:
-        self._listening = outbox.listen_outbox(
-            self._documents, self.config.outbox.collection, self._on_change, self._on_listen_error
-        )
+    def _listen(self, which: str = "both") -> None:
+        if self._closed:
+            return
+        if which in ("both", "outbox"):
+            self._listening = outbox.listen_outbox(
+                self._documents, self.config.outbox.collection, self._on_change, self._on_listen_error
+            )
+        if which in ("both", "waiting"):
+            self._waiting_listening = outbox.listen_waiting(
+                self._documents, self._relay_root, self._on_waiting, self._on_waiting_error
+            )
 
     async def _close_listen(self) -> None:
+        self._closed = True
         listening, self._listening = self._listening, None
-        if listening is not None:
-            await listening.close()
+        waiting, self._waiting_listening = self._waiting_listening, None
+        for one in (listening, waiting):
+            if one is not None:
+                await one.close()
 
-    def _on_listen_error(self, error: StoreError) -> None:
+    def _on_waiting(self, change: docs.Change) -> None:
+        """The waiting documents: what the relay gave up on; one removed is an operator's retry or
+        discard, and its key may flow again."""
+        if change.initial:
+            gone = set(self._given_up) - {entry_id for entry_id, _, _ in change.upserts}
+        else:
+            gone = set(change.removals)
+        for entry_id, fields, _ in change.upserts:
+            self._given_up[entry_id] = str(fields.get("reason", ""))
+        for entry_id in gone:
+            self._given_up.pop(entry_id, None)
+            shard = self._shard_of_entry.get(entry_id)
+            held = self._workers.get(shard) if shard is not None else None
+            if held is not None:
+                held[1].attempts.pop(entry_id, None)
+            if shard is not None:
+                self._wake(shard)
+
+    def _record_give_up(self, entry_id: str, key: str, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._give_up(entry_id, key, reason))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _give_up(self, entry_id: str, key: str, reason: str) -> None:
+        for attempt in range(8):
+            try:
+                await outbox.give_up(self._documents, self._relay_root, entry_id, key, reason)
+                return
+            except StoreError as exc:
+                _LOGGER.warning("relay %s: recording entry %s as waiting failed: %s", self.name, entry_id, exc)
+                await asyncio.sleep(backoff_seconds(attempt, 0.1, _BACKOFF_MAXIMUM_SECONDS))
+
+    def _on_listen_error(self, error: StoreError, which: str = "outbox") -> None:
         self._listen_failures += 1
-        _LOGGER.error("relay %s: the outbox's Listen failed: %s; listening again", self.name, error)
+        _LOGGER.error("relay %s: the Listen on the %s failed: %s; listening again", self.name, which, error)
         delay = backoff_seconds(min(self._listen_failures, 8), 0.5, _LISTEN_RETRY_MAXIMUM_SECONDS)
-        asyncio.get_running_loop().call_later(delay, self._relisten)
+        asyncio.get_running_loop().call_later(delay, self._listen, which)
 
-    def _relisten(self) -> None:
-        if self._listening is not None:
-            self._listen()
+    def _on_waiting_error(self, error: StoreError) -> None:
+        self._on_listen_error(error, "waiting")
 
     def _on_change(self, change: docs.Change) -> None:
         self.snapshots += 1
@@ -152,6 +198,7 @@ class Relay:
             shard = self._shard_of_entry.pop(entry_id, None)
             if shard is not None:
                 self._view[shard].pop(entry_id, None)
+                touched.add(shard)  # an entry its key waited behind may be gone (a discard)
         for entry_id, fields, update_time_us in change.upserts:
             entry = read_entry(entry_id, fields, update_time_us, self._rules)
             shard = shard_of(entry.key if entry.key is not None else entry_id, self.config.shards)
@@ -184,6 +231,8 @@ class Relay:
             self.config.max_batch,
             lambda: self.leases.fence(shard),
             lambda: self.leases.holds(shard) == epoch,
+            waiting=self._given_up,
+            on_give_up=self._record_give_up,
         )
         wake = self._wakes[shard] = asyncio.Event()
         wake.set()
@@ -250,9 +299,8 @@ class Relay:
     def waiting(self) -> list[WaitingEntry]:
         """Entries that wait for an operator: unpublishable as written, or failed for good."""
         found: dict[str, WaitingEntry] = {}
-        for shard, entries in self._view.items():
-            held = self._workers.get(shard)
-            given_up = held[1].waiting if held is not None else {}
+        given_up = self._given_up
+        for entries in self._view.values():
             for entry in entries.values():
                 if isinstance(entry, Unpublishable):
                     found[entry.id] = WaitingEntry(self.name, entry.id, entry.key, entry.reason)

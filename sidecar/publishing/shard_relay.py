@@ -84,7 +84,10 @@ class ShardRelay:
     give_up_after: int = GIVE_UP_AFTER
     counters: dict[str, outbox.Counter] | None = None
     waiting: dict[str, str] = field(default_factory=dict)
-    """Entry id -> why it failed for good at publish time (its key waits behind it)."""
+    """Entry id -> why it failed for good at publish time (its key waits behind it). The relay shares
+    one for all its shards, kept from the waiting documents (an operator's retry removes one)."""
+    on_give_up: Callable[[str, str, str], None] | None = None
+    """(entry id, key, reason): the entry went to ``waiting`` (the relay records it durably)."""
     attempts: dict[str, int] = field(default_factory=dict)
     last_batch: Batch | None = None
     counts: ShardCounts = field(default_factory=ShardCounts)
@@ -144,6 +147,8 @@ class ShardRelay:
             self.attempts[m.entry_id] = count
             if count >= self.give_up_after:
                 self.waiting[m.entry_id] = f"{reason} ({count} attempts)"
+                if self.on_give_up is not None:
+                    self.on_give_up(m.entry_id, m.key, self.waiting[m.entry_id])
                 _LOGGER.error(
                     "relay shard %d: entry %s of a key waits for an operator: %s", self.shard, m.entry_id, reason
                 )

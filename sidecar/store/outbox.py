@@ -15,8 +15,10 @@ subscription's can be, since ``:`` is not allowed in a name):
 - ``at_us``/``at_id`` make a stale view harmless: an entry at or before them in commit order was
   settled already (a key settles in commit order), so a pod whose Listen has not yet seen its
   delete skips it instead of numbering it again.
-- ``{relay_root}/waiting/{id}``: an operator's decision on an entry in the waiting room (``retry``
-  with a time, or the note of a ``discard``) and the reason it waited.
+- ``{relay_root}/waiting/{id}``: an entry in the waiting room that the relay gave up on (``state:
+  waiting``: a publish failed for good; its key waits), or an operator's discard (``state:
+  discarded``, with the note): ``key``, ``reason``, ``at``, ``note``. A retry deletes it. Entries
+  unpublishable as written need no document: every pod reads the same verdict from the entry.
 
 Rules:
 
@@ -33,6 +35,8 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -147,3 +151,69 @@ def listen_outbox(
 async def write_entry(documents: docs.Documents, collection: str, entry_id: str, fields: docs.Fields) -> None:
     """An entry written by the sidecar itself (the ``Publish`` RPC): a create, durable on return."""
     await documents.commit([docs.create(entry_path(collection, entry_id), fields)])
+
+
+# ---- the waiting room ------------------------------------------------------------------------
+
+WAITING = "waiting"
+"""A waiting document's state: the relay gave up on the entry; its key waits for an operator."""
+DISCARDED = "discarded"
+"""A waiting document's state: an operator discarded the entry (deleted from the outbox) with a note."""
+
+
+def waiting_fields(key: str | None, reason: str, state: str, at: datetime.datetime, note: str = "") -> docs.Fields:
+    return {"v": COUNTERS_VERSION, "key": key, "reason": reason, "state": state, "at": at, "note": note}
+
+
+async def give_up(documents: docs.Documents, relay: str, entry_id: str, key: str, reason: str) -> None:
+    """Record that the relay gave up on an entry (a publish failed for good): its key waits."""
+    fields = waiting_fields(key, reason, WAITING, datetime.datetime.now(datetime.UTC))
+    await documents.commit([docs.replace(waiting_path(relay, entry_id), fields)])
+
+
+async def retry(documents: docs.Documents, relay: str, entry_id: str) -> None:
+    """An operator's retry: the relay publishes the entry again (with the key's next number)."""
+    await documents.commit([docs.delete(waiting_path(relay, entry_id))])
+
+
+async def discard(
+    documents: docs.Documents, collection: str, relay: str, entry_id: str, key: str | None, reason: str, note: str
+) -> None:
+    """An operator's discard, in one Commit: the entry leaves the outbox (its key flows on: no number
+    was used) and its waiting document records the decision with the note."""
+    fields = waiting_fields(key, reason, DISCARDED, datetime.datetime.now(datetime.UTC), note)
+    await documents.commit(
+        [docs.delete(entry_path(collection, entry_id)), docs.replace(waiting_path(relay, entry_id), fields)]
+    )
+
+
+def listen_waiting(
+    documents: docs.Documents,
+    relay: str,
+    on_change: Callable[[docs.Change], None],
+    on_error: Callable[[StoreError], None],
+) -> docs.Listening:
+    """The entries the relay gave up on (state ``waiting``), as consistent snapshots."""
+    return documents.listen(relay, "waiting", [docs.Filter("state", "EQUAL", WAITING)], on_change, on_error)
+
+
+async def snapshot(
+    documents: docs.Documents, parent: str, collection: str, where: Sequence[docs.Filter] = ()
+) -> list[tuple[str, docs.Fields, int]]:
+    """One consistent snapshot of a collection (id, fields, update time), read with a Listen that is
+    closed at once (the operator's commands; works for a top-level collection, ``parent`` empty)."""
+    first: asyncio.Future[list[tuple[str, docs.Fields, int]]] = asyncio.get_running_loop().create_future()
+
+    def on_change(change: docs.Change) -> None:
+        if change.initial and not first.done():
+            first.set_result(change.upserts)
+
+    def on_error(error: StoreError) -> None:
+        if not first.done():
+            first.set_exception(error)
+
+    listening = documents.listen(parent, collection, list(where), on_change, on_error)
+    try:
+        return await first
+    finally:
+        await listening.close()
