@@ -97,6 +97,12 @@ def policy_problems(resources: list[Resource]) -> list[str]:
             found.append(f"{name}: podSelector {spec['podSelector']} is not the Deployment's selector {selector}")
         if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
             found.append(f"{name}: does not restrict ingress")
+        for rule in spec.get("ingress", []):
+            for entry in rule.get("ports", []):
+                if isinstance(entry.get("port"), str):
+                    # A native sidecar is an init container: network plugins have resolved named ports
+                    # against the regular containers only (kubernetes/kubernetes#125285).
+                    found.append(f"{name}: names port {entry['port']!r}; the sidecar's ports must be numbers")
         admitting = [rule for rule in spec.get("ingress", []) if rule_admits_port(rule, container, peer)]
         for rule in admitting:
             sources = rule.get("from")
@@ -160,18 +166,22 @@ def test_only_pods_of_the_deployment_reach_the_peer_port(rendered: list[Resource
     (peer_rule,) = [rule for rule in policy["spec"]["ingress"] if rule_admits_port(rule, container, PEER_PORT)]
     assert peer_rule["from"] == [{"podSelector": selector}]
     (entry,) = peer_rule["ports"]
-    assert entry["port"] in (PEER_PORT_NAME, container_port(container, PEER_PORT_NAME))
+    assert entry["port"] == container_port(container, PEER_PORT_NAME)
     assert policy_problems(rendered) == []
 
 
 def _peer_rule(policy: Resource) -> dict[str, Any]:
     rules: list[dict[str, Any]] = policy["spec"]["ingress"]
-    (rule,) = [r for r in rules if r.get("ports", [{}])[0].get("port") == PEER_PORT_NAME]
+    (rule,) = [r for r in rules if r.get("ports", [{}])[0].get("port") == PEER_PORT]
     return rule
 
 
-def _name_a_port_the_sidecar_lacks(resources: list[Resource]) -> None:
-    _peer_rule(only(resources, "NetworkPolicy"))["ports"][0]["port"] = "forward"
+def _name_the_peer_port(resources: list[Resource]) -> None:
+    _peer_rule(only(resources, "NetworkPolicy"))["ports"][0]["port"] = PEER_PORT_NAME
+
+
+def _move_the_peer_port(resources: list[Resource]) -> None:
+    _peer_rule(only(resources, "NetworkPolicy"))["ports"][0]["port"] = PEER_PORT + 1
 
 
 DRIFTS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
@@ -193,7 +203,8 @@ DRIFTS: dict[str, tuple[Callable[[list[Resource]], None], str]] = {
         ),
         "is not the Deployment's selector",
     ),
-    "unknown-port-name": (_name_a_port_the_sidecar_lacks, "admits nobody on the peer port"),
+    "named-port": (_name_the_peer_port, "names port 'peer'"),
+    "another-port": (_move_the_peer_port, "admits nobody on the peer port"),
     "metrics-closed": (lambda rs: only(rs, "NetworkPolicy")["spec"]["ingress"].pop(1), "metrics port"),
 }
 
