@@ -16,6 +16,8 @@ through the API, ``opentelemetry.trace``, by ``sidecar.pipeline.message_traces``
   that a span is dropped and counted (``TraceCounters.spans_dropped``), never waited for. An export
   that fails (receiver down, after the exporter's own retries) counts its spans in
   ``spans_export_failed``. The SDK's per-span "queue full" warnings are silenced: the counter says it.
+  Batches are small and frequent (``SCHEDULE_DELAY_MS``, ``MAX_EXPORT_BATCH_SIZE``) unless the
+  ``OTEL_BSP_*`` variables say otherwise.
 - **Shutdown is bounded**: ``Tracing.aclose`` flushes for at most ``SHUTDOWN_SECONDS`` in a thread;
   what is left then is lost (the worker is a daemon thread).
 """
@@ -45,6 +47,14 @@ SHUTDOWN_SECONDS = 2.0
 """The stop sequence's share for the last export: a receiver that is down must not eat the pod's grace."""
 
 DEFAULT_SERVICE_NAME = "pubsub-sidecar"
+
+SCHEDULE_DELAY_MS = 500
+"""Export every half second, not the SDK's 5 s: encoding a span costs the export thread about as
+much CPU as recording it, and a few large batches at once take the interpreter from the event
+loop long enough to show in delivery latency; small, frequent ones spread that cost."""
+
+MAX_EXPORT_BATCH_SIZE = 128
+"""Spans per export request (the SDK's default is 512), for the same reason."""
 
 _QUIET_LOGGERS = ("opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export")
 """The SDK logs a WARNING per span dropped on a full queue: thousands a second while a receiver is down."""
@@ -80,14 +90,19 @@ class _BoundedExport(SpanProcessor):
     (``_CountingExporter``), so it is never below the batch processor's own queue: that queue,
     of the same size, never drops a span silently."""
 
-    def __init__(self, exporter: SpanExporter, max_queue_size: int, counters: TraceCounters) -> None:
+    def __init__(
+        self, exporter: SpanExporter, max_queue_size: int, counters: TraceCounters, env: Mapping[str, str]
+    ) -> None:
         self._counters = counters
         self._max = max_queue_size
         self._waiting = 0
+        # The SDK reads OTEL_BSP_SCHEDULE_DELAY and OTEL_BSP_MAX_EXPORT_BATCH_SIZE itself when they
+        # are set; otherwise the sidecar's smaller, more frequent batches (see the constants).
         self._batch = BatchSpanProcessor(
             _CountingExporter(exporter, self._taken, counters),
             max_queue_size=max_queue_size,
-            max_export_batch_size=min(512, max_queue_size),
+            schedule_delay_millis=None if "OTEL_BSP_SCHEDULE_DELAY" in env else SCHEDULE_DELAY_MS,
+            max_export_batch_size=min(_batch_size(env), max_queue_size),
         )
 
     def _taken(self, count: int) -> None:
@@ -111,6 +126,16 @@ class _BoundedExport(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._batch.force_flush(timeout_millis)
+
+
+def _batch_size(env: Mapping[str, str]) -> int:
+    """``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` when it is a positive integer (the SDK ignores a bad one
+    too), else ``MAX_EXPORT_BATCH_SIZE``."""
+    try:
+        size = int(env.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", MAX_EXPORT_BATCH_SIZE))
+    except ValueError:
+        return MAX_EXPORT_BATCH_SIZE
+    return size if size > 0 else MAX_EXPORT_BATCH_SIZE
 
 
 class _CountingExporter(SpanExporter):
@@ -225,7 +250,7 @@ def start_tracing(
     if chosen is not None:
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
-        provider.add_span_processor(_BoundedExport(chosen, max_queue_size, counters))
+        provider.add_span_processor(_BoundedExport(chosen, max_queue_size, counters, environment))
     return Tracing(provider, counters)
 
 

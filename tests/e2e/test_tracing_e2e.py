@@ -226,7 +226,7 @@ async def test_an_exporter_that_cannot_connect_never_holds_delivery_back(scenari
         lambda: (
             sidecar.metric("pubsub_sidecar_trace_spans_dropped_total")
             + sidecar.metric("pubsub_sidecar_trace_spans_export_failed_total")
-            == 40
+            >= 40  # a copy Pub/Sub delivers again after its original finished has a span of its own
         ),
         "every span dropped or counted as failed",
     )
