@@ -10,7 +10,9 @@ Consistency: the config in each ConfigMap loads with the project's own loader; t
 the port and paths the sidecar's HTTP endpoint really serves (checked against a running one); the
 container runs a command line the CLI accepts; the socket the app is told to use is the one the
 config listens on, in a volume both containers mount. How several pods share a subscription
-(replicas, rollout, disruption budget, grace period): ``test_k8s_scale_out``.
+(replicas, rollout, disruption budget, grace period): ``test_k8s_scale_out``; their peer channel
+(port, secret, NetworkPolicy, the config naming them): ``test_k8s_peering``; the Grafana dashboard:
+``test_dashboard``.
 """
 
 from __future__ import annotations
