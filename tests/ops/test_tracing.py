@@ -155,3 +155,13 @@ def test_the_counters_as_metrics() -> None:
     assert "pubsub_sidecar_trace_spans_dropped_total 2.0" in text
     assert "pubsub_sidecar_trace_spans_export_failed_total 1.0" in text
     assert "pubsub_sidecar_trace_spans_not_recorded_total 3.0" in text
+
+
+@pytest.mark.parametrize(("value", "size"), [(None, 128), ("64", 64), ("0", 128), ("-3", 128), ("many", 128)])
+def test_the_export_batch_is_the_sidecars_unless_the_environment_names_a_valid_one(
+    value: str | None, size: int
+) -> None:
+    from sidecar.ops.tracing import _batch_size
+
+    env = {} if value is None else {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": value}
+    assert _batch_size(env) == size
