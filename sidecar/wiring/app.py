@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -111,8 +112,8 @@ class Sidecar:
                 print(f"pubsub-sidecar: {exc}", file=sys.stderr, flush=True)
                 await grpc_server.stop(0)
                 return
-            # Index exemptions and the TTL policy (docs/operations.md): a warning per missing piece,
-            # naming the command; never a reason not to start, so it runs beside the start.
+            # Index exemptions and the TTL policy (docs/operations.md): one warning summing up what is
+            # missing, naming the commands; never a reason not to start, so it runs beside the start.
             deployment_check = asyncio.create_task(
                 check_deployment(self.config.project, self.config.firestore.database, _LOGGER), name="deployment-check"
             )
@@ -182,6 +183,9 @@ class Sidecar:
                 timed_store=timed_store,
                 dead_letters=dead_letters,
                 on_delivered=observer.delivered,
+                # In this pod's member document: what other pods dial, and what a restart under this
+                # pod name checks (its peer port is bound before the leases start: docs/leases.md).
+                peer_address=_peer_address(config),
             )
             if parts.leases is not None:
                 leases_by_sub[sub.name] = parts.leases
@@ -361,3 +365,9 @@ async def serve_until_stopped(config: SidecarConfig, grace_seconds: float) -> Si
         loop.add_signal_handler(sig, sidecar.request_stop)
     await sidecar.serve()
     return sidecar
+
+
+def _peer_address(config: SidecarConfig) -> str:
+    """This pod's peer address (``peering.advertise_address``, else ``$POD_IP:<port>``); "" without peering."""
+    peering = config.peering
+    return peering.advertised(os.environ) if peering is not None and peering.enabled else ""

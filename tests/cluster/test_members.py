@@ -64,16 +64,21 @@ def test_expiry_is_judged_on_the_database_clock_only() -> None:
 def test_a_bad_member_document_is_a_view_with_its_problem_named(change: dict[str, object], problem: str) -> None:
     view = _read(member_fields("pod-a", 7, "", LEASE_MS, 3) | change)
     assert problem in view.problem and PATH in view.problem
-    assert decide_join(view) is Join.REFUSE
+    assert decide_join(view, "") is Join.REFUSE
 
 
 def test_the_join_decision_for_each_state_of_the_member_document() -> None:
-    assert decide_join(_read(None)) is Join.TAKE_OVER
-    assert decide_join(_read(member_fields("pod-a", 7, "10.0.0.5:7100", LEASE_MS, 3, left=True))) is Join.TAKE_OVER
+    own = "10.0.0.9:7100"
+    assert decide_join(_read(None), own) is Join.TAKE_OVER
+    left = member_fields("pod-a", 7, "10.0.0.5:7100", LEASE_MS, 3, left=True)
+    assert decide_join(_read(left), own) is Join.TAKE_OVER
     fields = member_fields("pod-a", 7, "10.0.0.5:7100", LEASE_MS, 3)
-    assert decide_join(_read(fields, update_us=1_000_000, read_us=2_500_000)) is Join.TAKE_OVER  # expired
-    assert decide_join(_read(fields)) is Join.PROBE
-    assert decide_join(_read(member_fields("pod-a", 7, "", LEASE_MS, 3))) is Join.WAIT
+    assert decide_join(_read(fields, update_us=1_000_000, read_us=2_500_000), own) is Join.TAKE_OVER  # expired
+    assert decide_join(_read(fields), own) is Join.PROBE
+    # Restarted in the same pod: the address is this process's own, bound by it, so nobody else listens there.
+    assert decide_join(_read(fields), "10.0.0.5:7100") is Join.TAKE_OVER
+    assert decide_join(_read(member_fields("pod-a", 7, "", LEASE_MS, 3)), own) is Join.WAIT
+    assert decide_join(_read(member_fields("pod-a", 7, "", LEASE_MS, 3)), "") is Join.WAIT
 
 
 @given(

@@ -60,19 +60,23 @@ def _member(documents: MemoryDocuments, clock: FakeTime, name: str, address: str
 
 
 async def test_a_process_restarted_under_its_pod_name_takes_its_shards_back_at_once_at_new_epochs() -> None:
+    """Killed with -9 (nothing released, its member document fresh) and started again in the same
+    pod: the address recorded is the new process's own, which it has bound (as the sidecar binds
+    its peer port before its leases start), so nobody else can be listening there."""
     clock, documents = _frozen()
-    dead = _closed_address()
-    first = _member(documents, clock, "pod-a", address=dead)
-    first.start()
-    try:
-        await wait_until(lambda: len(first.leases.owned()) == SHARDS, "the first process holds every shard")
-        old = first.leases.owned()
-        old_incarnation = first.leases.incarnation
-        await first.stop()  # kill -9: nothing released, its member document still fresh
-        second = _member(documents, clock, "pod-a", address=dead)
+    async with _listening() as address:
+        first = _member(documents, clock, "pod-a", address=address)
+        first.start()
+        try:
+            await wait_until(lambda: len(first.leases.owned()) == SHARDS, "the first process holds every shard")
+            old = first.leases.owned()
+            old_incarnation = first.leases.incarnation
+        finally:
+            await first.stop()
+        second = _member(documents, clock, "pod-a", address=address)
         second.start()
         try:
-            # The clock never moves: no lease, no member document expired. Its port is closed: taken over.
+            # The clock never moves: no lease, no member document expired, and nothing waited out.
             await wait_until(lambda: len(second.leases.owned()) == SHARDS, "the restarted process holds every shard")
             assert all(epoch > old[shard] for shard, epoch in second.leases.owned().items())
             assert second.leases.incarnation is not None and old_incarnation is not None
@@ -80,13 +84,30 @@ async def test_a_process_restarted_under_its_pod_name_takes_its_shards_back_at_o
             stored = documents.snapshot()[member_path(SUB_PATH, "pod-a")]
             assert (stored["incarnation"], stored["address"], stored["left"]) == (
                 second.leases.incarnation,
-                dead,
+                address,
                 False,
             )
         finally:
             await second.stop()
-    finally:
-        await first.stop()
+
+
+async def test_a_process_whose_predecessor_recorded_another_address_takes_over_when_nothing_answers_there() -> None:
+    """The earlier process of the name ran elsewhere (another address): killed, its port refuses."""
+    clock, documents = _frozen()
+    dead = _closed_address()
+    first = _member(documents, clock, "pod-a", address=dead)
+    first.start()
+    await wait_until(lambda: len(first.leases.owned()) == SHARDS, "the first process holds every shard")
+    old = first.leases.owned()
+    await first.stop()
+    async with _listening() as address:
+        second = _member(documents, clock, "pod-a", address=address)
+        second.start()
+        try:
+            await wait_until(lambda: len(second.leases.owned()) == SHARDS, "the new process holds every shard")
+            assert all(epoch > old[shard] for shard, epoch in second.leases.owned().items())
+        finally:
+            await second.stop()
 
 
 async def test_a_second_process_under_a_living_pod_name_is_refused_and_the_first_goes_on() -> None:
@@ -145,7 +166,7 @@ async def test_a_process_whose_name_was_taken_over_is_fenced_out_then_stops_and_
     paused.start()
     await wait_until(lambda: len(paused.leases.owned()) == SHARDS, "the first process holds every shard")
     await paused.stop()
-    newer = _member(documents, clock, "pod-a", address=dead)
+    newer = _member(documents, clock, "pod-a", address=_closed_address())
     newer.start()
     try:
         await wait_until(lambda: len(newer.leases.owned()) == SHARDS, "the newer process holds every shard")

@@ -20,8 +20,12 @@ left, or expired on the database's clock (``read_time - update_time > lease_ms``
 fresh, the earlier process may still live: if it recorded an address, this process dials it
 (``answers``): a refused or timed-out connection means the earlier process is gone (a container
 killed with -9 closed its port), and the name is taken over at once; an answer means it lives, and
-this process is refused (``MembershipRefused``): two processes must never run under one name. With
-no address recorded there is no way to tell but time: the process waits until the document expires.
+this process is refused (``MembershipRefused``): two processes must never run under one name. When
+the address recorded is this process's own (a container restarted in the same pod), it is taken
+over at once without dialling: the sidecar binds its peer port before its leases start
+(``sidecar.wiring.app``), so while this process holds that address no other process listens
+there; a living earlier process would have made that bind fail. With no address recorded there is
+no way to tell but time: the process waits until the document expires.
 A process that finds its document naming another incarnation while it runs (``Superseded``) stops:
 a newer process of its name took over, and every lease it held is being taken at a new epoch.
 
@@ -147,11 +151,12 @@ class Join(enum.Enum):
     """Not readable as a member document (``problem``): leave it alone."""
 
 
-def decide_join(view: MemberView) -> Join:
-    """What a process starting under ``view.pod`` does with its member document (module docstring)."""
+def decide_join(view: MemberView, own_address: str) -> Join:
+    """What a process starting under ``view.pod`` with ``own_address`` does with its member
+    document (module docstring)."""
     if view.problem:
         return Join.REFUSE
-    if not view.exists or view.left or view.expired:
+    if not view.exists or view.left or view.expired or (view.address and view.address == own_address):
         return Join.TAKE_OVER
     return Join.PROBE if view.address else Join.WAIT
 

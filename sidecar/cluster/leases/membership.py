@@ -131,7 +131,7 @@ class Membership:
             if tried is not None and view.exists and not view.problem and view.incarnation == tried:
                 self.incarnation = tried  # an earlier write whose answer was lost did apply
                 return
-            decision = decide_join(view)
+            decision = decide_join(view, self.address)
             if decision is Join.REFUSE:
                 raise MembershipRefused(f"subscription {self._subscription}: {view.problem}")
             if decision is Join.WAIT:
@@ -172,7 +172,11 @@ class Membership:
                         self._subscription,
                         self.pod_id,
                         view.incarnation,
-                        "expired" if view.expired else f"nothing answers on {view.address}",
+                        "expired"
+                        if view.expired
+                        else "its address is this process's own"
+                        if view.address == self.address
+                        else f"nothing answers on {view.address}",
                         tried,
                     )
                 return
