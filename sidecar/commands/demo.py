@@ -33,6 +33,7 @@ from pubsub_sidecar_client import OrderedSubscriber
 from sidecar.commands.demo_pubsub import DemoPubSub
 from sidecar.commands.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from sidecar.config.model import load_config
+from sidecar.emulators.main import index_file
 from sidecar.emulators.stack import EmulatorStack
 from sidecar.ops.logs import setup_logging
 from sidecar.wiring.app import Sidecar
@@ -152,7 +153,7 @@ class Display:
 
 async def run_demo(orders: int, seed: int | None = None) -> int:
     rng = random.Random(seed)
-    stack = EmulatorStack(metric_period=1.0, metric_delay=2.0)
+    stack = EmulatorStack(metric_period=1.0, metric_delay=2.0, firestore_indexes=index_file(None))
     await stack.start()
     try:
         os.environ.update(stack.env)

@@ -65,10 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--admin-port", type=int, default=8087, help="HTTP admin: fault injection, counters")
     emu.add_argument("--metric-period", type=float, default=60.0, help="metric sampling period, seconds")
     emu.add_argument("--metric-delay", type=float, default=120.0, help="metric visibility delay, seconds")
-    emu.add_argument(
+    indexes = emu.add_mutually_exclusive_group()
+    indexes.add_argument(
         "--firestore-indexes",
         metavar="PATH",
-        help="firestore.indexes.json (Firebase CLI format): exemptions, composites, TTL fields (default: all indexed)",
+        help="firestore.indexes.json (Firebase CLI format): exemptions, composites, TTL fields (default: "
+        "./firestore.indexes.json, else the repository's, so that local runs match production)",
+    )
+    indexes.add_argument(
+        "--no-firestore-indexes",
+        action="store_true",
+        help="load no index configuration: every field indexed, no TTL policy (production's defaults)",
     )
     emu.add_argument(
         "--firestore-ttl-sweep",

@@ -4,6 +4,12 @@ The ``export`` lines go to stdout, flushed, only once every server accepts conne
 parent process (a test fixture, ``eval $(...)``) may read them as the readiness signal. With port 0
 they carry the real bound ports. SIGTERM/SIGINT stop the stack and exit 0; a failure to start
 exits 1 with the reason on stderr.
+
+The Firestore emulator loads an index configuration by default (``index_file``), so that local
+runs match a production database deployed as docs/operations.md says (and the sidecar's start-up
+check finds nothing to warn about): ``--firestore-indexes PATH`` names one, otherwise
+``./firestore.indexes.json`` is used, otherwise the repository's own when running from a checkout;
+``--no-firestore-indexes`` keeps production's defaults (every field indexed, no TTL policy).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import gc
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from sidecar.emulators.stack import EmulatorStack
 
@@ -35,6 +42,23 @@ async def _freeze_survivors() -> None:
         gc.freeze()
 
 
+INDEXES_FILE = "firestore.indexes.json"
+REPOSITORY_INDEXES = Path(__file__).resolve().parents[2] / INDEXES_FILE
+"""The repository's index configuration (what production deploys), when running from a checkout."""
+
+
+def index_file(requested: str | None, *, disabled: bool = False, cwd: Path | None = None) -> str | None:
+    """The ``firestore.indexes.json`` the Firestore emulator loads (module docstring); None: none."""
+    if disabled:
+        return None
+    if requested is not None:
+        return requested
+    for candidate in ((cwd if cwd is not None else Path.cwd()) / INDEXES_FILE, REPOSITORY_INDEXES):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
 def export_lines(stack: EmulatorStack) -> list[str]:
     lines = [f"export {name}={value}" for name, value in stack.env.items()]
     lines.append(f"export EMULATORS_ADMIN_URL={stack.admin_url}")
@@ -42,6 +66,11 @@ def export_lines(stack: EmulatorStack) -> list[str]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    indexes = index_file(args.firestore_indexes, disabled=bool(getattr(args, "no_firestore_indexes", False)))
+    if indexes is None:
+        _LOGGER.info("Firestore emulator: no index configuration, every field indexed (production's defaults)")
+    else:
+        _LOGGER.info("Firestore emulator: index configuration from %s", indexes)
     stack = EmulatorStack(
         host=args.host,
         pubsub_port=args.pubsub_port,
@@ -50,7 +79,7 @@ async def _serve(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         metric_period=args.metric_period,
         metric_delay=args.metric_delay,
-        firestore_indexes=args.firestore_indexes,
+        firestore_indexes=indexes,
         ttl_sweep_seconds=args.firestore_ttl_sweep,
     )
     stop = asyncio.Event()

@@ -501,7 +501,8 @@ class _Listening:
 
 
 async def check_deployment(project: str, database: str, log: logging.Logger, timeout_seconds: float = 10.0) -> None:
-    """Log a warning per missing index exemption or TTL policy (``sidecar.store.deployment``); never raises.
+    """Log one summary warning of the missing index exemptions and TTL policy (``sidecar.store.deployment``);
+    never raises.
 
     Reads each field through the FirestoreAdmin API (the emulator's when ``FIRESTORE_EMULATOR_HOST``
     is set). A refused or unreachable admin API gives one warning saying so and which role grants it.
