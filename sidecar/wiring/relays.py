@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -88,15 +88,17 @@ class Relays:
             await documents.close()
 
     def collector(self) -> Collector:
-        return _RelayCollector(self)
+        return RelayCollector(lambda: {name: relay.counts() for name, relay in self.relays.items()})
 
 
-class _RelayCollector(Collector):
-    def __init__(self, relays: Relays) -> None:
-        self._relays = relays
+class RelayCollector(Collector):
+    """The relays' figures (relay name -> ``Relay.counts()``) as Prometheus families."""
+
+    def __init__(self, source: Callable[[], dict[str, dict[str, int]]]) -> None:
+        self._source = source
 
     def collect(self) -> Iterator[Metric]:
-        counts = {name: relay.counts() for name, relay in self._relays.relays.items()}
+        counts = self._source()
         for figures, kind in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
             for name, doc in figures.items():
                 family = kind(f"pubsub_sidecar_{name}", doc, labels=["relay"])

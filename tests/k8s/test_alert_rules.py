@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sidecar.config.durations import parse_duration_ms
 from sidecar.ops.capacity import Capacity
 from sidecar.ops.observability import SidecarCollector, SubscriptionMetrics
+from sidecar.wiring.relays import RelayCollector
 
 ALERTS = Path(__file__).resolve().parents[2] / "k8s" / "alerts"
 
@@ -34,6 +35,7 @@ def exported_metrics() -> dict[str, set[str]]:
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(SidecarCollector(lambda: [snapshot]))
+    registry.register(RelayCollector(lambda: {"orders-out": {"relay_blocked_keys": 1}}))
     metrics: dict[str, set[str]] = {}
     for line in generate_latest(registry).decode().splitlines():
         match = re.match(r"([a-z_]+)\{([^}]*)\}", line)
@@ -55,6 +57,7 @@ def test_the_rule_renders_as_a_prometheus_rule(rule: dict[str, Any]) -> None:
         "PubsubSidecarMalformedMessages",
         "PubsubSidecarBacklogGrowing",
         "PubsubSidecarLeaseReadsFailing",
+        "PubsubSidecarRelayKeyBlocked",
     }
     for alert in alerts.values():
         assert alert["expr"].strip() and alert["labels"]["severity"] in ("page", "ticket")
@@ -74,4 +77,4 @@ def test_every_sidecar_metric_an_alert_uses_is_exported_with_its_labels(rule: di
                 for labels in re.findall(r"by \(([^)]*)\)", alert["expr"]):
                     sidecar_labels = {label.strip() for label in labels.split(",")} - {"namespace", "pod"}
                     assert sidecar_labels <= exported[name], f"{alert['alert']}: {sidecar_labels} not on {name}"
-    assert used == 7
+    assert used == 8
