@@ -173,7 +173,8 @@ class Subscription:
     available: deque[Pending] = field(default_factory=deque)
     leases: dict[str, Lease] = field(default_factory=dict)
     streams: dict[StreamState, None] = field(default_factory=dict)
-    """Open streams in the order they opened: the dispatcher walks them round-robin."""
+    """Open streams in the order they opened (an ended one leaves at once): the dispatcher serves the
+    least loaded first, ties round-robin."""
     next_stream: int = 0
     busy_keys: set[str] = field(default_factory=set)
     """Ordered subscriptions: keys with a message leased or waiting out a backoff."""
