@@ -13,6 +13,7 @@ about 30 s on two cores), fewer for a quick look.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
@@ -28,7 +29,9 @@ import yaml
 from google.cloud import firestore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "python-outbox"))
 
+import checkout
 from e2e_app import App
 from e2e_config import PROJECT, subscription_entry
 from e2e_google import PubSub, emulator_env
@@ -95,20 +98,12 @@ class Story:
         return self.app
 
     async def write(self, order_id: str, event: str) -> None:
-        """One transaction: the order's business change and its outbox entry, as a checkout app does."""
-        transaction = self.db.transaction()
-
-        @firestore.async_transactional
-        async def change(transaction: Any) -> None:
-            order = self.db.collection(f"{self.outbox}-orders").document(order_id)
-            status = {"OrderCreated": "PENDING", "OrderCancelled": "CANCELLED"}.get(event, "PAID")
-            transaction.set(order, {"status": status})
-            transaction.set(
-                self.db.collection(self.outbox).document(),
-                {"key": order_id, "data": f"{order_id}:{event}".encode(), "attributes": {"type": event}},
-            )
-
-        await change(transaction)
+        """One transaction: the order's business change and its outbox entry (the example app)."""
+        if event == "OrderCreated":
+            await checkout.create_order(self.db, order_id, amount=100, outbox=self.outbox)
+        else:
+            status = {"OrderCancelled": "CANCELLED", "OrderPaid": "PAID"}.get(event, "REFUNDED")
+            await checkout.change_status(self.db, order_id, event, status, outbox=self.outbox)
         self.written.setdefault(order_id, []).append(event)
 
     async def outbox_empty(self) -> bool:
@@ -125,9 +120,8 @@ class Story:
         by_key = self.app.by_key()
         for order, events in self.written.items():
             seen = by_key.get(order, [])
-            assert [(s.sequence, s.data) for s in seen] == [
-                (n, f"{order}:{event}".encode()) for n, event in enumerate(events, start=1)
-            ], f"{order}: {[(s.sequence, s.data) for s in seen]}"
+            got = [(s.sequence, json.loads(s.data)["order_id"], s.attributes["type"]) for s in seen]
+            assert got == [(n, order, event) for n, event in enumerate(events, start=1)], f"{order}: {got}"
 
     async def close(self) -> None:
         if self.app is not None:
