@@ -4,7 +4,7 @@ Rules:
 
 - **Where.** The ``googclient_traceparent`` / ``googclient_tracestate`` pair (the official Pub/Sub
   clients with OpenTelemetry tracing on) when ``googclient_traceparent`` is present, else the plain
-  ``traceparent`` / ``tracestate`` pair (Dapr's CloudEvents, hand-written publishers). A tracestate
+  ``traceparent`` / ``tracestate`` pair (publishers that propagate W3C context as attributes). A tracestate
   is read only beside the traceparent of its own pair.
 - **traceparent**, strictly: version ``00`` only, exactly ``00-<32 hex>-<16 hex>-<2 hex>`` in
   lowercase, a trace id and a parent id that are not all zeros. Anything else (another version, an

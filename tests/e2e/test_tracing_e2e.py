@@ -31,7 +31,7 @@ from pubsub_sidecar_client import Message
 pytestmark = pytest.mark.e2e
 
 PLAIN_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
-"""A Dapr-style publisher's own ``traceparent`` attribute (no OpenTelemetry in the test process)."""
+"""A publisher's own plain ``traceparent`` attribute (W3C context propagated by hand)."""
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ async def test_spans_link_to_the_publishers_context_and_the_app_continues_the_tr
         lambda: sidecar.metric("pubsub_sidecar_keys_blocked", subscription=sub.name) == 1, "t#2 held on the gap"
     )
     await publish_traced(traced_publisher, sub, order_message("t", 1))
-    # A plain W3C attribute (as Dapr sets it), and a malformed one: delivered all the same.
+    # A plain W3C attribute, and a malformed one: delivered all the same.
     plain = f"00-{PLAIN_TRACE_ID}-b7ad6b7169203331-01"
     await scenario.pubsub.publish_all(
         sub.topic, [order_message("p", 1, traceparent=plain), order_message("m", 1, traceparent="00-garbage-01")]
