@@ -63,6 +63,7 @@ def test_generated_service_has_the_contract_names() -> None:
         "GetStatus": ("GetStatusRequest", "GetStatusResponse"),
         "UnblockKey": ("UnblockKeyRequest", "UnblockKeyResponse"),
         "SkipGap": ("SkipGapRequest", "SkipGapResponse"),
+        "Publish": ("PublishRequest", "PublishResponse"),
     }
     message = sidecar_pb2.OrderedMessage.DESCRIPTOR
     assert [(f.name, f.number) for f in message.fields] == [

@@ -4,7 +4,7 @@ Rules:
 
 - Every method of the servicer ends a failed call through ``abort``, which takes the code and the
   details from ``status_for``: no other module picks a status code for an error.
-- A mapped error (``BadRequest``: INVALID_ARGUMENT; ``UnknownSubscription``: NOT_FOUND;
+- A mapped error (``BadRequest``: INVALID_ARGUMENT; ``UnknownSubscription``, ``UnknownRelay``: NOT_FOUND;
   ``SubscriptionUnavailable``: UNAVAILABLE; ``KeyNotBlocked``, ``KeyNotWaitingOnGap``, ``NotOwner``:
   FAILED_PRECONDITION; ``SkipOutOfRange``: INVALID_ARGUMENT) is
   logged at INFO without a traceback. Anything else is a bug of ours: INTERNAL, logged at ERROR with
@@ -38,6 +38,7 @@ _M = TypeVar(
     sidecar_pb2.GetStatusRequest,
     sidecar_pb2.UnblockKeyRequest,
     sidecar_pb2.SkipGapRequest,
+    sidecar_pb2.PublishRequest,
 )
 
 _MAX_ECHO_CHARS = 100
@@ -52,6 +53,10 @@ class BadRequest(ValueError):
 
 class UnknownSubscription(LookupError):
     """No subscription by that name in the config: NOT_FOUND."""
+
+
+class UnknownRelay(LookupError):
+    """No relay by that name in the config (``Publish``): NOT_FOUND."""
 
 
 def quote(value: str) -> str:
@@ -74,6 +79,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, UnknownSubscription):
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown subscription"
+    if isinstance(exc, UnknownRelay):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown relay"
     if isinstance(exc, SubscriptionUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, KeyNotBlocked):

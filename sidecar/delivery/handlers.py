@@ -55,6 +55,8 @@ class _Servicer(Protocol):
 
     async def SkipGap(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
 
+    async def Publish(self, request: Any, context: grpc.aio.ServicerContext) -> Any: ...
+
 
 def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """What ``add_OrderedDeliveryServicer_to_server`` registers, with the decoders above."""
@@ -80,6 +82,11 @@ def ordered_delivery_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.SkipGap,
                 request_deserializer=_decoder(sidecar_pb2.SkipGapRequest),
                 response_serializer=sidecar_pb2.SkipGapResponse.SerializeToString,
+            ),
+            "Publish": grpc.unary_unary_rpc_method_handler(
+                servicer.Publish,
+                request_deserializer=_decoder(sidecar_pb2.PublishRequest),
+                response_serializer=sidecar_pb2.PublishResponse.SerializeToString,
             ),
         },
     )

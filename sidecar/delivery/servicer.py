@@ -1,5 +1,5 @@
 """The grpc.aio servicer of ``pubsub_sidecar.v1.OrderedDelivery``: Subscribe streams, GetStatus, UnblockKey,
-SkipGap.
+SkipGap, Publish.
 
 Rules:
 
@@ -15,6 +15,8 @@ Rules:
 - GetStatus answers for one subscription or all of them, with at most ``MAX_STATUS_KEYS`` keys of
   detail each; UnblockKey records the skip durably (``SubscriptionRuntime.unblock``) before it answers,
   and so does SkipGap (``SubscriptionRuntime.skip_gap``).
+- Publish hands the entry to the sidecar's relays (``entries``, an ``EntryWriter``: the wiring sets
+  it) and answers once the entry is durable; it is not atomic with the app's own database.
 - Domain errors map to gRPC status codes in one place: ``sidecar.delivery.errors``.
 """
 
@@ -30,7 +32,7 @@ import grpc
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
 from sidecar.delivery import subscribe
-from sidecar.delivery.errors import BadRequest, UnknownSubscription, abort, decoded, quote
+from sidecar.delivery.errors import BadRequest, UnknownRelay, UnknownSubscription, abort, decoded, quote
 from sidecar.delivery.responses import fill_reports, skip_gap_response, subscription_status, unblock_response
 from sidecar.delivery.streams import DeliveryCounters, OpenStreams, SubscribeStream
 from sidecar.engine.dead_letters import KeyNotBlocked
@@ -58,8 +60,20 @@ class StatusReports(Protocol):
     def lease_problem(self, name: str) -> str | None: ...
 
 
+class EntryWriter(Protocol):
+    """Where Publish writes an outbox entry: the sidecar's relays (``sidecar.wiring.relays``)."""
+
+    def relay_names(self) -> list[str]: ...
+
+    async def write_entry(self, relay: str, entry_id: str, fields: dict[str, Any]) -> str:
+        """Write the entry durably; its id. ``LookupError``: no such relay; ``ValueError``: an entry
+        that can never be published (the reason); ``StoreError``: not confirmed."""
+        ...
+
+
 class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
-    """Serves Subscribe, GetStatus, UnblockKey and SkipGap over ``{subscription name: SubscriptionRuntime}``."""
+    """Serves Subscribe, GetStatus, UnblockKey, SkipGap (over ``{subscription name: SubscriptionRuntime}``)
+    and Publish (over ``entries``)."""
 
     def __init__(
         self,
@@ -83,6 +97,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         self._max_outstanding_limit = max_outstanding_limit
         self._streams = OpenStreams()
         self.counters = DeliveryCounters()
+        self.entries: EntryWriter | None = None
+        """The relays Publish writes to (set by the wiring; None: this sidecar runs none)."""
 
     @property
     def is_draining(self) -> bool:
@@ -220,6 +236,36 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
             request = decoded(request)
             runtime = self._ready_runtime_for_key(request, "the ordering key that waits on a gap")
             return skip_gap_response(await runtime.skip_gap(request.key, request.through))
+        except Exception as exc:
+            await abort(context, exc)
+            raise  # unreachable: abort raises
+
+    # ---- Publish ---------------------------------------------------------------------------
+
+    async def Publish(
+        self, request: sidecar_pb2.PublishRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.PublishResponse:
+        try:
+            request = decoded(request)
+            relays = self.entries.relay_names() if self.entries is not None else []
+            known = ", ".join(relays) or "(none)"
+            if not request.relay:
+                raise BadRequest(f"relay is required: a relay `name` from the config (one of: {known})")
+            if self.entries is None or request.relay not in relays:
+                raise UnknownRelay(f"unknown relay {quote(request.relay)}; this sidecar runs: {known}")
+            fields: dict[str, Any] = {"key": request.key, "data": request.data}
+            if request.attributes:
+                fields["attributes"] = dict(request.attributes)
+            for name in ("topic", "traceparent", "tracestate"):
+                if getattr(request, name):
+                    fields[name] = getattr(request, name)
+            try:
+                entry_id = await self.entries.write_entry(request.relay, request.entry_id, fields)
+            except LookupError as exc:
+                raise UnknownRelay(str(exc)) from exc
+            except ValueError as exc:
+                raise BadRequest(f"relay {quote(request.relay)}: {exc}") from exc
+            return sidecar_pb2.PublishResponse(entry_id=entry_id)
         except Exception as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises

@@ -25,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sidecar.backoff import backoff_seconds
 from sidecar.cluster.leases import ShardLeases
@@ -45,6 +48,7 @@ _BACKOFF_INITIAL_SECONDS = 0.05
 _BACKOFF_MAXIMUM_SECONDS = 10.0
 _LISTEN_RETRY_MAXIMUM_SECONDS = 10.0
 _RELEASE_WAIT_SECONDS = 5.0
+_ENTRY_ID = re.compile(r"[A-Za-z0-9_-]{1,100}")
 
 
 class RelayRefused(Exception):
@@ -293,6 +297,26 @@ class Relay:
     def _add_totals(self, counts: ShardCounts) -> None:
         for name in ("published", "settled_batches", "publish_failures", "republished"):
             setattr(self._totals, name, getattr(self._totals, name) + getattr(counts, name))
+
+    # ---- the Publish RPC ---------------------------------------------------------------------
+
+    async def write_entry(self, entry_id: str, fields: dict[str, Any]) -> str:
+        """An entry written by the sidecar for an app without Firestore (the ``Publish`` RPC):
+        checked as the relay will read it (``ValueError`` with the reason if it can never be
+        published), then created, durable on return; its id. An ``entry_id`` given again while the
+        entry waits finds it (not a second entry). Not atomic with the app's own database."""
+        if not entry_id:
+            entry_id = secrets.token_hex(10)
+        elif not _ENTRY_ID.fullmatch(entry_id):
+            raise ValueError(f"entry_id {entry_id[:100]!r}: use 1-100 letters, digits, '-' or '_'")
+        read = read_entry(entry_id, fields, 0, self._rules)
+        if isinstance(read, Unpublishable):
+            raise ValueError(read.reason)
+        try:
+            await outbox.write_entry(self._documents, self.config.outbox.collection, entry_id, fields)
+        except docs.AlreadyExists:
+            pass  # a retry of a write that applied: the entry is there, once
+        return entry_id
 
     # ---- what it reports ---------------------------------------------------------------------
 

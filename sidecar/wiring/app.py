@@ -220,6 +220,7 @@ class Sidecar:
             pull_failures={name: s.ingestor.pull_health.problem for name, s in subs.items()},
             reports=reports,
         )
+        grpc_server.servicer.entries = self._relays  # the Publish RPC writes through the relays
         readiness = Readiness(readiness_checks(store.ping, subs))
         self.metrics.add_collector(lambda: metrics_snapshot(subs.values(), reports))
         http = HttpEndpoint(config.http, self.metrics, readiness, lambda: stuck(subs))

@@ -9,6 +9,7 @@ run, stopped and reported.
   that ends stops the sidecar, as a subscription's would.
 - ``stop`` (SIGTERM) hands every relay's shards over after their workers end the step they are in.
 - ``collector``: the relays' figures as Prometheus families (``pubsub_sidecar_relay_*``).
+- ``write_entry``: what the ``Publish`` RPC writes (the servicer's ``entries``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ class Relays:
             await self._publisher.aclose()
         for documents in self._documents.values():
             await documents.close()
+
+    def relay_names(self) -> list[str]:
+        return list(self.relays)
+
+    async def write_entry(self, relay: str, entry_id: str, fields: dict[str, Any]) -> str:
+        """The ``Publish`` RPC's write (``sidecar.delivery.servicer.EntryWriter``)."""
+        found = self.relays.get(relay)
+        if found is None:
+            raise LookupError(f"unknown relay {relay!r}")
+        return await found.write_entry(entry_id, fields)
 
     def collector(self) -> Collector:
         return RelayCollector(lambda: {name: relay.counts() for name, relay in self.relays.items()})

@@ -19,10 +19,10 @@ from sidecar.emulators.stack import EmulatorStack
 _START_SECONDS = 60.0
 
 
-def write_config(tmp_path: Path, project: str, topic: str) -> Path:
+def write_config(tmp_path: Path, project: str, topic: str, listen: str = "127.0.0.1:0") -> Path:
     config = {
         "project": project,
-        "listen": "127.0.0.1:0",
+        "listen": listen,
         "http": "127.0.0.1:0",
         "relays": [
             {

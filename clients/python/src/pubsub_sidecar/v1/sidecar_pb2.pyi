@@ -243,3 +243,36 @@ class SkipGapResponse(_message.Message):
     skipped_from: int
     skipped_through: int
     def __init__(self, skipped_from: _Optional[int] = ..., skipped_through: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("relay", "key", "data", "attributes", "topic", "traceparent", "tracestate", "entry_id")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    relay: str
+    key: str
+    data: bytes
+    attributes: _containers.ScalarMap[str, str]
+    topic: str
+    traceparent: str
+    tracestate: str
+    entry_id: str
+    def __init__(self, relay: _Optional[str] = ..., key: _Optional[str] = ..., data: _Optional[bytes] = ..., attributes: _Optional[_Mapping[str, str]] = ..., topic: _Optional[str] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., entry_id: _Optional[str] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("entry_id",)
+    ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    entry_id: str
+    def __init__(self, entry_id: _Optional[str] = ...) -> None: ...

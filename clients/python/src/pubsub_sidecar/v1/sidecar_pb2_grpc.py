@@ -55,6 +55,11 @@ class OrderedDeliveryStub:
                 request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.SerializeToString,
                 response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/pubsub_sidecar.v1.OrderedDelivery/Publish',
+                request_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishRequest.SerializeToString,
+                response_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishResponse.FromString,
+                _registered_method=True)
 
 
 class OrderedDeliveryServicer:
@@ -136,6 +141,25 @@ class OrderedDeliveryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """Publishing in order for apps without Firestore (docs/publishing.md): writes an
+        outbox entry for the relay `relay` and answers once Firestore has it durably. The
+        relay then publishes it with its key's next sequence number, in the order the
+        entries were written, in the key and sequence attributes the relay's config names.
+        NOT atomic with the app's own database: an app that changes its state and calls
+        Publish may do one without the other (apps with Firestore write the entry in their
+        own transaction instead). The answer is the entry's id, a handle: the entry leaves
+        the outbox once published, and its number travels on the published message.
+        NOT_FOUND for a relay this sidecar does not run; INVALID_ARGUMENT for an entry
+        that can never be published (no key, an attribute the relay sets or starting with
+        `goog`, over Pub/Sub's limits, a bad topic or `entry_id`); UNAVAILABLE when
+        Firestore did not confirm the write (it may have applied): retry with the same
+        `entry_id`, which answers OK while the entry waits to be published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrderedDeliveryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +182,11 @@ def add_OrderedDeliveryServicer_to_server(servicer, server):
                     servicer.SkipGap,
                     request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.FromString,
                     response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishRequest.FromString,
+                    response_serializer=pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +298,33 @@ class OrderedDelivery:
             '/pubsub_sidecar.v1.OrderedDelivery/SkipGap',
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapRequest.SerializeToString,
             pubsub__sidecar_dot_v1_dot_sidecar__pb2.SkipGapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pubsub_sidecar.v1.OrderedDelivery/Publish',
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishRequest.SerializeToString,
+            pubsub__sidecar_dot_v1_dot_sidecar__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
             insecure,
