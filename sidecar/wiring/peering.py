@@ -1,7 +1,9 @@
 """The peer channel joined to the sidecar (docs/forwarding.md): the owners' directory, the peer server
 and the forwarder, made from the config's ``peering`` section.
 
-- **Directory** (``PeerRoutes``, the ``sidecar.peering.routes.PeerDirectory`` the forwarder reads),
+- **Directory** (the ``sidecar.peering.routes.PeerDirectory`` the forwarder reads). ``LeaseRoutes``
+  when the lease managers know each shard's owner and its address (``make_peering(lease_routes=)``:
+  their rounds read the lease documents anyway, so it costs nothing). Otherwise ``PeerRoutes``,
   read on demand, never listened to (a Listen on the lease documents would be billed a read for
   every renewal): the first message of a shard reads its lease document (``owner``, ``epoch``: one
   billed read), the first of an owner reads its member document (``{sub_path}/members/{pod}``,
@@ -24,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 from sidecar.cluster.leases.layout import lease_path
 from sidecar.config.model import SidecarConfig
@@ -47,6 +50,40 @@ OwnerOf = Callable[[str, int], Awaitable[tuple[str, int] | None]]
 """(subscription, shard) -> (owner pod, epoch) from its lease document; None when free or missing."""
 AddressOf = Callable[[str, str], Awaitable[str]]
 """(subscription, pod) -> the pod's peer address, "" when it has none."""
+
+
+class RouteLike(Protocol):
+    """What a lease manager knows of a shard's owner (``ShardLeases.route``, with member documents)."""
+
+    @property
+    def pod(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def address(self) -> str: ...
+
+
+class LeaseRoutes:
+    """The directory from each subscription's lease manager, which reads every lease document each
+    round anyway (and each owner's member document when it takes a lease): no read of its own.
+    ``forget`` has nothing to do: the next round corrects what was wrong."""
+
+    def __init__(self, pod: str, routes: Mapping[str, Callable[[int], RouteLike | None]]) -> None:
+        self._pod = pod
+        self._routes = dict(routes)
+
+    def route(self, subscription: str, shard: int) -> PeerRoute | None:
+        routes = self._routes.get(subscription)
+        known = routes(shard) if routes is not None else None
+        if known is None or known.pod == self._pod or not known.address:
+            return None
+        return PeerRoute(pod=known.pod, epoch=known.epoch, address=known.address)
+
+    def forget(self, subscription: str, shard: int) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
 
 class PeerRoutes:
@@ -143,7 +180,7 @@ def member_address(documents: docs.Documents, sub_paths: Mapping[str, str]) -> A
 class Peering:
     """The peer server, the forwarder and the directory of one sidecar."""
 
-    def __init__(self, server: PeerServer, forwarder: PeerForwarder, routes: PeerRoutes) -> None:
+    def __init__(self, server: PeerServer, forwarder: PeerForwarder, routes: PeerRoutes | LeaseRoutes) -> None:
         self.server = server
         self.forwarder = forwarder
         self.routes = routes
@@ -168,17 +205,27 @@ class Peering:
 
 
 def make_peering(
-    config: SidecarConfig, pod: str, documents: docs.Documents, subs: Mapping[str, SubscriptionParts]
+    config: SidecarConfig,
+    pod: str,
+    documents: docs.Documents,
+    subs: Mapping[str, SubscriptionParts],
+    lease_routes: Mapping[str, Callable[[int], RouteLike | None]] | None = None,
 ) -> Peering | None:
     """The peer channel for ``subs`` (given its forwarder, nothing runs yet); None when it is off.
-    Raises ``PeerSecretError`` when the secret file cannot be used."""
+    ``lease_routes``: each subscription's lease manager's view of its owners (``LeaseRoutes``); without
+    it the directory reads them itself (``PeerRoutes``). Raises ``PeerSecretError`` when the secret
+    file cannot be used."""
     peering = config.peering
     if peering is None or not peering.enabled:
         return None
     credentials = PeerCredentials(read_peer_secret(peering.secret_file) if peering.secret_file else None)
     server = PeerServer(f"[::]:{peering.port}", credentials)
     sub_paths = {name: f"{config.firestore.root}/{name}" for name in subs}
-    routes = PeerRoutes(pod, lease_owner(documents, sub_paths), member_address(documents, sub_paths))
+    routes: PeerRoutes | LeaseRoutes = (
+        LeaseRoutes(pod, lease_routes)
+        if lease_routes is not None
+        else PeerRoutes(pod, lease_owner(documents, sub_paths), member_address(documents, sub_paths))
+    )
     forwarder = PeerForwarder(routes, credentials)
     for name, s in subs.items():
         server.register(

@@ -4,6 +4,8 @@ and the peer server's credentials as /metrics counts them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,7 +18,14 @@ from sidecar.peering.proto import peer_pb2, peer_pb2_grpc
 from sidecar.peering.routes import PeerRoute
 from sidecar.peering.server import PeerServer
 from sidecar.store.memory_documents import MemoryDocuments
-from sidecar.wiring.peering import RECHECK_SECONDS, Peering, PeerRoutes, lease_owner, member_address
+from sidecar.wiring.peering import (
+    RECHECK_SECONDS,
+    LeaseRoutes,
+    Peering,
+    PeerRoutes,
+    lease_owner,
+    member_address,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,11 +84,30 @@ async def test_a_call_without_the_secret_gets_unauthenticated_and_the_metric_cou
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             call = peer_pb2_grpc.PeerIntakeStub(channel).Forward(metadata=metadata)
-            await call.write(peer_pb2.ForwardRequest(subscription="orders"))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(grpc.aio.AioRpcError):
+                # The server may end the call before the write is taken: either step raises then
+                # (a write racing the end raises grpc's INTERNAL); the call's status says why it ended.
+                await call.write(peer_pb2.ForwardRequest(subscription="orders"))
                 await call.read()
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         text = generate_latest(registry).decode()
         assert "pubsub_sidecar_peer_unauthenticated_total 1.0" in text
     finally:
         await peering.close()
+
+
+@dataclass(frozen=True)
+class _Known:
+    pod: str
+    epoch: int
+    address: str
+
+
+def test_lease_routes_answer_from_the_lease_managers_view_and_leave_out_this_pod_and_unknown_addresses() -> None:
+    known = {0: _Known("pod-b", 7, "10.0.0.2:7100"), 1: _Known("pod-a", 3, "10.0.0.1:7100"), 2: _Known("pod-c", 4, "")}
+    routes = LeaseRoutes("pod-a", {"orders": known.get})
+    assert routes.route("orders", 0) == PeerRoute(pod="pod-b", epoch=7, address="10.0.0.2:7100")
+    assert routes.route("orders", 1) is None, "this pod's own shard"
+    assert routes.route("orders", 2) is None, "an owner without an address"
+    assert routes.route("orders", 3) is None, "free, or not read yet"
+    assert routes.route("other", 0) is None, "an unknown subscription"
