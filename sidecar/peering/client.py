@@ -57,6 +57,9 @@ _ENVELOPE_BYTES = 64 * 1024
 _RETRY_INITIAL_SECONDS = 0.2
 _RETRY_MAXIMUM_SECONDS = 10.0
 
+_END_WAIT_SECONDS = 1.0
+"""After a failed write, how long the reader may take to see the call's end (its status, late answers)."""
+
 _STALE_ROUTE = frozenset({peer_pb2.Outcome.NOT_OWNER, peer_pb2.Outcome.STALE_EPOCH})
 """Refusals that say the directory's route was wrong."""
 
@@ -207,6 +210,12 @@ class _Link:
             raise
         except Exception as exc:  # the stream failed while writing (grpc's errors, a closed call)
             error = exc
+            # The answers already on their way, and the status the call ended with (a write racing the
+            # end raises grpc's INTERNAL instead): the reader gets both, if it ends soon.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(reader), _END_WAIT_SECONDS)
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                error = reader.exception()
         finally:
             call.cancel()
             if not reader.done():
