@@ -143,7 +143,8 @@ def fail(
 ) -> list[Action]:
     """A nack or expiry of an OUT entry."""
     key = entry.key
-    exhausted = entry.deliveries >= books.config.max_delivery_attempts
+    attempts = entry.deliveries + entry.message.prior_attempts
+    exhausted = attempts >= books.config.max_delivery_attempts
     if key is not None:
         # The failed message and every later one of the key still in flight go back, in order.
         group = [entry]
@@ -165,8 +166,8 @@ def fail(
             books.refresh(key, now_ms)
         books.count_dead_letter(reason)
         in_order = key is not None and not entry.late
-        return [DeadLetter(entry.message, reason, entry.deliveries, in_order)]
-    delay_ms = retry_after_ms if retry_after_ms is not None else backoff_ms(books, entry.deliveries)
+        return [DeadLetter(entry.message, reason, attempts, in_order)]
+    delay_ms = retry_after_ms if retry_after_ms is not None else backoff_ms(books, attempts)
     if key is None:
         books.end_delivery(entry, from_timer=from_timer)
         if delay_ms <= 0:

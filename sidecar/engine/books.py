@@ -270,7 +270,7 @@ class Books:
             delivery_id,
             consumer,
             entry.message,
-            entry.deliveries,
+            entry.deliveries + entry.message.prior_attempts,
             entry.late and not entry.replayed,
             tuple(skipped) if skipped else (),
             self.epoch,

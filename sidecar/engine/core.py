@@ -23,7 +23,8 @@ Invariants kept for every key (G2/G3/G5, checked by the property tests in tests/
 5. Bounded retries: after a nack or expiry of delivery attempt ``max_delivery_attempts`` (or a nack
    asking for it) the message is dead-lettered; the key then waits for ``dead_letter_done`` and
    follows ``on_dead_letter``. Consumer closes give messages back without counting as failures,
-   but the next ``attempt`` number still counts every earlier delivery.
+   but the next ``attempt`` number still counts every earlier delivery, and those an earlier
+   engine of the process made before its shard was taken back (``Message.prior_attempts``).
 6. Replays (``Message.replay_id``, an operator's ``dead-letters replay``) never reorder anything
    else. A replay at the position its key is blocked at takes the dead letter's place and is the
    key's next message (its durable ack moves the key on); one at a position the key has not reached
@@ -151,6 +152,12 @@ class Engine:
         In-flight and acking messages are pending: after a restart they are delivered again.
         """
         return recovery.export(self._books)
+
+    def delivery_attempts(self) -> dict[object, int]:
+        """The attempts made so far of every pending message delivered at least once, by identity
+        (``dedup.identity``): the runtime keeps them when it drops this engine, so that a later
+        engine of the process goes on counting (``Message.prior_attempts``). One pass over the keys."""
+        return recovery.delivery_attempts(self._books)
 
     # ---- events -----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from sidecar.engine.arrival import arrive
 from sidecar.engine.books import Books
+from sidecar.engine.dedup import identity
 from sidecar.engine.state import BLOCKED, DONE, Entry
 from sidecar.engine.types import Action, EngineSnapshot, Hold, Message
 
@@ -131,6 +132,21 @@ def export(books: Books) -> EngineSnapshot:
         pending=tuple(message for _, message in pending),
         watermark_ms=books.wm.watermark_ms if books.wm is not None else None,
     )
+
+
+def delivery_attempts(books: Books) -> dict[object, int]:
+    """``Engine.delivery_attempts``."""
+    entries: Iterable[Entry]
+    if books.seq is not None:
+        entries = [entry for key in books.keys.values() for entry in key.index.values()]
+        entries += books.seq.replays.values()
+    else:
+        entries = (books.wm or books.none).by_id.values()  # type: ignore[union-attr]
+    return {
+        identity(entry.message): entry.deliveries + entry.message.prior_attempts
+        for entry in entries
+        if entry.deliveries and entry.state not in (DONE, BLOCKED)
+    }
 
 
 def _unadopted(books: Books, name: str) -> bool:

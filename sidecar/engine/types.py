@@ -77,6 +77,10 @@ class Message:
     known_fingerprint: bytes | None = field(default=None, compare=False, repr=False)
     """The fingerprint when it is known (read from the store, or computed once); None: computed
     from the payload when first asked for (``fingerprint``)."""
+    prior_attempts: int = field(default=0, compare=False)
+    """Deliveries to the app an earlier engine of this process made (its shard was dropped, then
+    taken back: a lease lost in a Firestore outage): attempt numbers, and ``max_delivery_attempts``,
+    go on from there."""
 
     @property
     def fingerprint(self) -> bytes:

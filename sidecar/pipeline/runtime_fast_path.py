@@ -62,7 +62,7 @@ class FastPath:
         entry = self._entry(incoming)
         if entry is None:
             return None
-        message = incoming.to_message(now_ms, "", volatile=True)
+        message = self._ctx.engines.with_prior(incoming.to_message(now_ms, "", volatile=True))
         if not entry.engine.fast_path(message):
             original = entry.engine.volatile_original(message)
             if original is None or id(original) not in entry.volatile:

@@ -217,7 +217,7 @@ class ShardLoading:
                     break
                 if not ctx.current(entry):
                     return  # dropped meanwhile: nothing of it is restored
-                fresh = [message for message in page if entry.admit(message)]
+                fresh = [ctx.engines.with_prior(message) for message in page if entry.admit(message)]
                 entry.engine.restore_pending(fresh, ctx.clock())
                 entry.held_bytes += _held_size(fresh)
                 restored += len(fresh)
@@ -285,6 +285,7 @@ class ShardLoading:
                 continue
             if not entry.admit(message):
                 continue  # its record was restored from a page already: the engine has it
+            message = ctx.engines.with_prior(message)
             engine = entry.engine
             actions = engine.on_stored(message, now_ms)
             payload = message.payload

@@ -17,16 +17,28 @@ then constant 0 and the epoch is 0.
 The engines' counters (``EngineStatus.counts``) are running totals for the life of the process: an
 engine's counts are kept (``retired``) when its shard is dropped, so that no total falls when a
 shard moves to another pod.
+
+Delivery attempts outlive an engine in the same process: when a shard is dropped, the attempts its
+engine made of messages still pending are kept (``attempts``, the ``ATTEMPTS_KEPT`` latest), and a
+message of that shard given to a later engine (the shard taken back after a lease lost in a
+Firestore outage: its pages, a Pub/Sub redelivery) carries them (``with_prior``), so that its next
+delivery is attempt N+1, not 1. Kept in memory only: nothing is written to Firestore for it, so a
+message delivered by another pod, or after a restart, starts again at attempt 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from sidecar.engine import Engine
+from sidecar.engine.dedup import identity
 from sidecar.engine.types import Deliver, EngineStatus, KeyStatus, Message
+
+ATTEMPTS_KEPT = 100_000
+"""Delivery attempts kept of dropped engines' pending messages (a few MB at most)."""
 
 
 @dataclass(slots=True)
@@ -73,6 +85,8 @@ class ShardEngines:
         self._turn = 0
         self.retired: dict[str, int] = {}
         """The counts of the engines removed so far (shards lost or handed over), summed."""
+        self.attempts: dict[object, int] = {}
+        """Delivery attempts of pending messages of removed engines, by identity (module docstring)."""
 
     def engine_prefix(self, shard: int, epoch: int) -> str:
         return f"{self.id_prefix}{shard}.{epoch}-"
@@ -92,7 +106,19 @@ class ShardEngines:
             retired = self.retired
             for name, value in entry.engine.status(0, max_keys=0)[0].counts.items():
                 retired[name] = retired.get(name, 0) + value
+            attempts = self.attempts
+            attempts.update(entry.engine.delivery_attempts())
+            for stale in list(itertools.islice(attempts, max(0, len(attempts) - ATTEMPTS_KEPT))):
+                del attempts[stale]  # the oldest first: a dict keeps insertion order
         return entry
+
+    def with_prior(self, message: Message) -> Message:
+        """``message`` carrying the attempts an earlier engine of this process made of it, if any."""
+        attempts = self.attempts
+        if not attempts:
+            return message
+        prior = attempts.pop(identity(message), 0)
+        return dataclasses.replace(message, prior_attempts=prior) if prior else message
 
     def get(self, shard: int) -> ShardEngine | None:
         return self._by_shard.get(shard)
