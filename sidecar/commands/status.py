@@ -261,7 +261,7 @@ def _subscription_details(sub: dict[str, Any]) -> list[str]:
             )
         else:
             why = "its leases are lost (above)" if sub["lease_problem"] else "other pods own them, or none is taken yet"
-            lines.append(f"  pod {sub['pod']}: owns none of {sub['shard_count']} shards ({why}): it delivers no key")
+            lines.append(f"  pod {sub['pod']}: owns none of {sub['shard_count']} shards: {why}; it delivers no key")
     capacity = sub["capacity"]
     if capacity is not None:
         rates = (

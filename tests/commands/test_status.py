@@ -350,11 +350,11 @@ def test_lost_leases_are_said_plainly_with_the_cause() -> None:
     lines = format_table(response, NOW).split("\norders:\n", 1)[1].splitlines()
     assert lines[0] == "  LEASES LOST: Firestore unavailable since 2026-05-01T11:58:00.000Z: 12 lease reads failed"
     assert lines[1] == (
-        "  pod orders-7f9c-1-a1b2c3: owns none of 16 shards (its leases are lost (above)): it delivers no key"
+        "  pod orders-7f9c-1-a1b2c3: owns none of 16 shards: its leases are lost (above); it delivers no key"
     )
     orders.lease_problem = ""
     text = format_table(response, NOW)
-    assert "LEASES LOST" not in text and "owns none of 16 shards (other pods own them" in text
+    assert "LEASES LOST" not in text and "owns none of 16 shards: other pods own them" in text
 
 
 def test_a_growing_backlog_is_said_with_the_rates_and_for_how_long() -> None:
