@@ -2,7 +2,7 @@
 
 Rules this module keeps:
 - It only dispatches: what a scenario does is in the module of its kind (``bench.throughput``,
-  ``bench.backlog``, ``bench.cost``, ``bench.scale_out``), each a function of the run's
+  ``bench.backlog``, ``bench.cost``, ``bench.scale_out``, ``bench.relay``), each a function of the run's
   ``RunContext`` and the scenario. No scenario module imports this one.
 """
 
@@ -14,6 +14,7 @@ from bench.backlog import run_held_gap, run_recovery
 from bench.cost import run_cost
 from bench.emulators_process import Emulators
 from bench.pubsub_clients import PubSub
+from bench.relay import run_relay
 from bench.run_context import RunContext
 from bench.scale_out import run_scale_out
 from bench.scenarios import Result, Scenario, Sizes
@@ -37,4 +38,6 @@ class Runner:
             return await run_cost(self.context, scenario)
         if scenario.kind == "scale-out":
             return await run_scale_out(self.context, scenario)
+        if scenario.kind == "relay":
+            return await run_relay(self.context, scenario)
         return await run_recovery(self.context, scenario)

@@ -62,7 +62,7 @@ SIZES: dict[str, Sizes] = {
 class Scenario:
     name: str
     kind: str
-    """"baseline", "sidecar", "recovery", "held", "scale-out" or "cost"."""
+    """"baseline", "sidecar", "recovery", "held", "scale-out", "cost" or "relay"."""
     mode: str = "sequence"
     keys: int = 100
     description: str = ""
@@ -97,6 +97,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("held-gap", "held", "sequence", 1, "one key held behind a gap, then filled"),
         Scenario("cost", "cost", "sequence", 100, "billed Firestore operations per message, TTL deletes, hotspots"),
         Scenario("scale-out", "scale-out", "sequence", 100, "1 vs 3 pods, failover, handover, lease upkeep", True),
+        Scenario("relay", "relay", "sequence", 100, "outbox relay: 100 keys, a hot key, commit to publish, cost", True),
     )
 }
 
