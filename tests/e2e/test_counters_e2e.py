@@ -7,6 +7,7 @@
   its dead letter carries its key when the key attribute was readable.
 - While Firestore does not answer, status says the leases are lost and why, and /readyz names the cause.
 - Status and metrics show intake against delivery.
+- A message in flight when a Firestore outage took the leases is delivered again as attempt 2.
 """
 
 from __future__ import annotations
@@ -205,3 +206,28 @@ async def test_status_and_metrics_show_intake_against_delivery(scenario: Scenari
     assert sidecar.metric("pubsub_sidecar_delivery_rate", subscription=sub.name) > 0
     after = await capacity()
     assert after is not None and after.intake_per_second > 0 and after.intake_per_second == after.delivered_per_second
+
+
+async def test_delivery_attempt_goes_on_counting_after_a_firestore_outage_took_the_leases(
+    scenario: Scenario,
+) -> None:
+    sub = scenario.add_subscription("retried", sharding={"shards": 2, "lease_duration": "4s"})
+    pod = scenario.pod_sidecar(0)
+    pod.start(wait_ready=False)
+    await pod.async_wait_ready()
+    await async_wait_until(lambda: _shards_sync(scenario, sub) == 2, "pod 0 owns every shard", 60)
+    # The app keeps the message unacked: it is in flight when the outage drops its shard.
+    app = scenario.pod_app(sub, 0, lambda message: "hold")
+    await scenario.pubsub.publish_all(sub.topic, [order_message("held", 1)])
+    await async_wait_until(lambda: len(app.seen) == 1, "the first delivery")
+    assert app.seen[0].delivery_attempt == 1
+    scenario.emulators.add_fault(service="firestore", method="*", code="UNAVAILABLE")
+    try:
+        await async_wait_until(lambda: _shards_sync(scenario, sub) == 0, "the leases run out", 60)
+    finally:
+        scenario.emulators.clear_faults("firestore")
+    await async_wait_until(lambda: len(app.seen) >= 2, "the message delivered again once the shard is back", 90)
+    again = app.seen[1]
+    assert (again.key, again.sequence) == ("held", 1)
+    assert again.epoch > app.seen[0].epoch  # a new engine, under a new lease
+    assert again.delivery_attempt == 2
