@@ -188,7 +188,44 @@ def status_to_dict(response: sidecar_pb2.GetStatusResponse, now: datetime, targe
         "target": target,
         "generated_at": _rfc3339(now),
         "subscriptions": [subscription_to_dict(sub, now, target) for sub in response.subscriptions],
+        "relays": [relay_to_dict(relay) for relay in response.relays],
     }
+
+
+def relay_to_dict(relay: sidecar_pb2.RelayStatus) -> dict[str, Any]:
+    """One outbox relay: its figures and its waiting room (``pubsub-sidecar outbox`` acts on it)."""
+    return {
+        "name": relay.name,
+        "pending_entries": relay.pending_entries,
+        "shards_held": relay.shards_held,
+        "waiting_entries": relay.waiting_entries,
+        "blocked_keys": relay.blocked_keys,
+        "published": relay.published,
+        "publish_failures": relay.publish_failures,
+        "waiting": [
+            {"entry_id": w.entry_id, "key": w.key or None, "reason": w.reason, "retry_helps": w.retry_helps}
+            for w in relay.waiting
+        ],
+    }
+
+
+def _relay_lines(relays: list[dict[str, Any]]) -> list[str]:
+    """The relays' table, then each waiting entry with the command that acts on it."""
+    header = ("RELAY", "PENDING", "SHARDS", "WAITING", "BLOCKED KEYS", "PUBLISHED", "PUBLISH FAILURES")
+    rows = [
+        (r["name"], *(str(r[f]) for f in ("pending_entries", "shards_held", "waiting_entries", "blocked_keys")),
+         str(r["published"]), str(r["publish_failures"]))
+        for r in relays
+    ]  # fmt: skip
+    lines = _render_rows(header, rows, numeric=frozenset({1, 2, 3, 4, 5, 6}))
+    for relay in relays:
+        for w in relay["waiting"]:
+            action = "retry or discard" if w["retry_helps"] else "discard"
+            lines.append(
+                f"  {relay['name']}: entry {w['entry_id']} (key {w['key'] or '-'}) waits: {w['reason']}; "
+                f"pubsub-sidecar outbox {action} (see outbox list)"
+            )
+    return lines
 
 
 def _render_rows(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: frozenset[int]) -> list[str]:
@@ -218,6 +255,9 @@ def format_table(response: sidecar_pb2.GetStatusResponse, now: datetime, target:
         lines.append(f"sidecar {target} at {document['generated_at']}")
         lines.append("")
     subscriptions = document["subscriptions"]
+    if document["relays"]:
+        lines.extend(_relay_lines(document["relays"]))
+        lines.append("")
     if not subscriptions:
         lines.append("no subscriptions")
         return "\n".join(lines) + "\n"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -60,10 +60,38 @@ class StatusReports(Protocol):
     def lease_problem(self, name: str) -> str | None: ...
 
 
+class WaitingReport(Protocol):
+    @property
+    def entry_id(self) -> str: ...
+
+    @property
+    def key(self) -> str | None: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def retry_helps(self) -> bool: ...
+
+
+class RelayReport(Protocol):
+    """One relay as GetStatus shows it (``sidecar.publishing.relay.Relay``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def waiting(self) -> Sequence[WaitingReport]: ...
+
+
 class EntryWriter(Protocol):
-    """Where Publish writes an outbox entry: the sidecar's relays (``sidecar.wiring.relays``)."""
+    """Where Publish writes an outbox entry, and what GetStatus reports of the relays: the sidecar's
+    relays (``sidecar.wiring.relays``)."""
 
     def relay_names(self) -> list[str]: ...
+
+    def reports(self) -> Sequence[RelayReport]: ...
 
     async def write_entry(self, relay: str, entry_id: str, fields: dict[str, Any]) -> str:
         """Write the entry durably; its id. ``LookupError``: no such relay; ``ValueError``: an entry
@@ -191,6 +219,9 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                 if self._reports is not None:
                     fill_reports(proto, self._reports.capacity(runtime.name), self._reports.lease_problem(runtime.name))
                 response.subscriptions.append(proto)
+            if not request.subscription and self.entries is not None:
+                for relay in self.entries.reports():
+                    response.relays.append(_relay_status(relay, max_keys))
             return response
         except Exception as exc:
             await abort(context, exc)
@@ -280,3 +311,21 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
         if runtime is None:
             raise UnknownSubscription(f"unknown subscription {quote(name)}; this sidecar serves: {known}")
         return runtime
+
+
+def _relay_status(relay: RelayReport, max_entries: int) -> sidecar_pb2.RelayStatus:
+    counts = relay.counts()
+    proto = sidecar_pb2.RelayStatus(
+        name=relay.name,
+        pending_entries=counts.get("relay_pending_entries", 0),
+        shards_held=counts.get("relay_shards_held", 0),
+        waiting_entries=counts.get("relay_waiting_entries", 0),
+        blocked_keys=counts.get("relay_blocked_keys", 0),
+        published=counts.get("relay_published", 0),
+        publish_failures=counts.get("relay_publish_failures", 0),
+    )
+    for entry in list(relay.waiting())[:max_entries]:
+        proto.waiting.add(
+            entry_id=entry.entry_id, key=entry.key or "", reason=entry.reason, retry_helps=entry.retry_helps
+        )
+    return proto

@@ -63,6 +63,8 @@ class WaitingEntry:
     entry_id: str
     key: str | None
     reason: str
+    retry_helps: bool
+    """True: the relay gave up on it (a retry may help); False: unpublishable as written."""
 
 
 class Relay:
@@ -327,9 +329,9 @@ class Relay:
         for entries in self._view.values():
             for entry in entries.values():
                 if isinstance(entry, Unpublishable):
-                    found[entry.id] = WaitingEntry(self.name, entry.id, entry.key, entry.reason)
+                    found[entry.id] = WaitingEntry(self.name, entry.id, entry.key, entry.reason, False)
                 elif entry.id in given_up:
-                    found[entry.id] = WaitingEntry(self.name, entry.id, entry.key, given_up[entry.id])
+                    found[entry.id] = WaitingEntry(self.name, entry.id, entry.key, given_up[entry.id], True)
         return sorted(found.values(), key=lambda w: w.entry_id)
 
     def counts(self) -> dict[str, int]:

@@ -91,6 +91,10 @@ class Relays:
     def relay_names(self) -> list[str]:
         return list(self.relays)
 
+    def reports(self) -> list[Relay]:
+        """What GetStatus shows of each relay (``Relay.counts``, ``Relay.waiting``)."""
+        return list(self.relays.values())
+
     async def write_entry(self, relay: str, entry_id: str, fields: dict[str, Any]) -> str:
         """The ``Publish`` RPC's write (``sidecar.delivery.servicer.EntryWriter``)."""
         found = self.relays.get(relay)

@@ -119,7 +119,7 @@ def test_ages_are_rounded_down_to_readable_units(seconds: float | None, text: st
 
 def test_json_document_has_stable_field_names_and_converted_values() -> None:
     document = status_to_dict(sample_response(), NOW, target="127.0.0.1:50051")
-    assert list(document) == ["target", "generated_at", "subscriptions"]
+    assert list(document) == ["target", "generated_at", "subscriptions", "relays"]
     assert document["generated_at"] == "2026-05-01T12:00:00.000Z"
     orders, prices = document["subscriptions"]
     assert list(orders) == SUBSCRIPTION_FIELDS

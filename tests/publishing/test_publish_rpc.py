@@ -11,6 +11,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -20,7 +21,8 @@ from google.protobuf import json_format
 from test_relay_process import sidecar, write_config
 
 from pubsub_sidecar.v1 import sidecar_pb2, sidecar_pb2_grpc
-from pubsub_sidecar_client import publish
+from pubsub_sidecar_client import get_status, publish
+from sidecar.commands.status import format_table
 from sidecar.emulators.stack import EmulatorStack
 
 _DEADLINE_SECONDS = 60.0
@@ -92,9 +94,26 @@ async def test_publish_rpc(stack: EmulatorStack, project: str) -> None:
                 ack_ids = [r.ack_id for r in answer.received_messages]
                 subscriber.acknowledge(request={"subscription": subscription, "ack_ids": ack_ids})
         assert got[1] == (b"OrderCreated", "created") and got[2] == (b"OrderCancelled", "")
+
+        # GetStatus and `pubsub-sidecar status` show the relay and its waiting room.
+        blocker = firestore.Client(project=project).collection("outbox").document()
+        blocker.set({"key": "789", "data": b"x", "attributes": {"googx": "1"}})
+        deadline = time.monotonic() + _DEADLINE_SECONDS
+        while True:
+            status = await get_status(target, max_keys=10)
+            (relay,) = status.relays
+            if relay.waiting:
+                break
+            assert time.monotonic() < deadline, "the waiting entry not in GetStatus"
+            await asyncio.sleep(0.1)
+        assert (relay.name, relay.shards_held, relay.blocked_keys) == ("orders-out", 2, 1)
+        assert [(w.entry_id, w.key, w.retry_helps) for w in relay.waiting] == [(blocker.id, "789", False)]
+        table = format_table(status, datetime.now(UTC), target)
+        assert f"orders-out: entry {blocker.id} (key 789) waits: attribute 'googx'" in table
+        assert "pubsub-sidecar outbox discard" in table
         db = firestore.Client(project=project)
         deadline = time.monotonic() + _DEADLINE_SECONDS
-        while list(db.collection("outbox").limit(1).stream()):
+        while [d for d in db.collection("outbox").stream() if d.get("key") == "456"]:
             assert time.monotonic() < deadline, "the outbox did not empty"
             await asyncio.sleep(0.1)
         assert first

@@ -110,10 +110,44 @@ class GetStatusRequest(_message.Message):
     def __init__(self, subscription: _Optional[str] = ..., max_keys: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("subscriptions",)
+    __slots__ = ("subscriptions", "relays")
     SUBSCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     subscriptions: _containers.RepeatedCompositeFieldContainer[SubscriptionStatus]
-    def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RelayStatus]
+    def __init__(self, subscriptions: _Optional[_Iterable[_Union[SubscriptionStatus, _Mapping]]] = ..., relays: _Optional[_Iterable[_Union[RelayStatus, _Mapping]]] = ...) -> None: ...
+
+class RelayStatus(_message.Message):
+    __slots__ = ("name", "pending_entries", "shards_held", "waiting_entries", "blocked_keys", "waiting", "published", "publish_failures")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_HELD_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pending_entries: int
+    shards_held: int
+    waiting_entries: int
+    blocked_keys: int
+    waiting: _containers.RepeatedCompositeFieldContainer[WaitingEntry]
+    published: int
+    publish_failures: int
+    def __init__(self, name: _Optional[str] = ..., pending_entries: _Optional[int] = ..., shards_held: _Optional[int] = ..., waiting_entries: _Optional[int] = ..., blocked_keys: _Optional[int] = ..., waiting: _Optional[_Iterable[_Union[WaitingEntry, _Mapping]]] = ..., published: _Optional[int] = ..., publish_failures: _Optional[int] = ...) -> None: ...
+
+class WaitingEntry(_message.Message):
+    __slots__ = ("entry_id", "key", "reason", "retry_helps")
+    ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_HELPS_FIELD_NUMBER: _ClassVar[int]
+    entry_id: str
+    key: str
+    reason: str
+    retry_helps: bool
+    def __init__(self, entry_id: _Optional[str] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ..., retry_helps: _Optional[bool] = ...) -> None: ...
 
 class SubscriptionStatus(_message.Message):
     __slots__ = ("name", "mode", "buffered", "ready", "in_flight", "keys", "keys_blocked", "oldest_undelivered_age", "watermark", "watermark_lag", "counts", "keys_detail", "pod", "shard_count", "shards", "pull_failure", "capacity", "lease_problem")
