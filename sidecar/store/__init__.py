@@ -13,6 +13,8 @@ One job per module (read them in this order):
   Commit; what to read back at recovery and delivery).
 - ``flusher``: the background flush of the cursors and checkpoints left lagging.
 - ``shard_reads``: what a load reads of its shards, handed to ``recovery``.
+- ``outbox``: an outbox relay's documents (the app's entries, the per-shard counters, the waiting
+  room) and its one fenced settle Commit (``sidecar.publishing``).
 - ``firestore``: the seam on Firestore; the only module that imports google-cloud-firestore.
 - ``firestore_codec``, ``firestore_errors``, ``listen_protocol``: what the seam on Firestore hands
   out (raw protobufs and back, Google's errors as ours, the Listen protocol as deltas); none
