@@ -1,10 +1,10 @@
 """Who owns a shard, at which epoch, reached at which address: what the forwarder reads.
 
-``PeerDirectory.route`` answers from what this pod knows now (``sidecar.wiring.peering`` reads it
-from the lease documents and the pods' member documents); None when forwarding cannot help: the
-owner is unknown (being read), is this pod, or has no known address. The answer may be stale: the
-owner checks the epoch named and refuses (``STALE_EPOCH``, ``NOT_OWNER``), the message then goes
-the inbox's way, and the forwarder calls ``forget`` so that the next message reads the owner again.
+``PeerDirectory.route`` answers from what this pod knows now (``sidecar.wiring.peering``: the lease
+managers' view of the lease and member documents); None when forwarding cannot help: the owner is
+unknown, is this pod, or has no known address. The answer may be stale: the owner checks the epoch
+named and refuses (``STALE_EPOCH``, ``NOT_OWNER``), the message then goes the inbox's way, and the
+forwarder calls ``forget`` (a directory that caches may read the route again).
 """
 
 from __future__ import annotations

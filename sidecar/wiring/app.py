@@ -191,7 +191,7 @@ class Sidecar:
                 leases_by_sub[sub.name] = parts.leases
             subs[sub.name] = parts
         # The peer channel: messages of other pods' shards forwarded to their owners (docs/forwarding.md).
-        self._peering = make_peering(config, pod, store.documents, subs)
+        self._peering = make_peering(config, pod, subs)
         if self._peering is not None:
             clients.push_async_callback(close_quietly, "peer channel", self._peering.close)
             self.metrics.registry.register(PeerCollector(self._peering.metrics))
