@@ -18,8 +18,8 @@ hands it plain values. Rules:
 - Liveness names the first subscription whose recovery stopped making progress, if any.
 - Capacity and lease health are sampled once a second (``Reports.run``) from the same running
   totals, into the pure ``sidecar.ops.capacity`` trackers: intake is the messages the engines took
-  in (``stored``, the fast path's included, less recovered backlog and duplicates), delivery the
-  messages finished (acked or dead-lettered); a lease round whose read fails means Firestore does
+  in (``stored``, the fast path's included, not what a load restored, less duplicates), delivery
+  the messages finished (acked or dead-lettered); a lease round whose read fails means Firestore does
   not answer. Metrics and GetStatus read what was sampled last; a subscription not ready is not
   sampled.
 """
@@ -131,7 +131,8 @@ class Reports:
                 counts = s.runtime.status(max_keys=0)[0].counts
             except Exception:  # the engine is gone (stopping): nothing to sample
                 continue
-            intake = counts.get("stored", 0) - counts.get("recovered", 0) - counts.get("duplicates", 0)
+            # ``stored`` leaves out what a load restored (``recovered``): a shard's backlog is not intake.
+            intake = counts.get("stored", 0) - counts.get("duplicates", 0)
             self._capacity[name].observe(now, max(0, intake), counts.get("acked", 0) + counts.get("dead_lettered", 0))
 
     async def run(self, interval_seconds: float = SAMPLE_SECONDS) -> None:
