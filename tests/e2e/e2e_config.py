@@ -65,14 +65,24 @@ def subscription_entry(
     return entry
 
 
-def write_config(path: Path, *, listen: str, root: str, subscriptions: list[dict[str, Any]]) -> Path:
-    body = {
+def write_config(
+    path: Path,
+    *,
+    listen: str,
+    root: str,
+    subscriptions: list[dict[str, Any]],
+    peering: Mapping[str, Any] | None = None,
+) -> Path:
+    """The sidecar's config file; ``peering`` is the ``peering:`` section (none: the channel is off)."""
+    body: dict[str, Any] = {
         "project": PROJECT,
         "listen": listen,
         "http": "127.0.0.1:0",
         "firestore": {"database": "(default)", "root": root},
         "subscriptions": subscriptions,
     }
+    if peering is not None:
+        body["peering"] = dict(peering)
     path.write_text(yaml.safe_dump(body, sort_keys=False, allow_unicode=True))
     return path
 
