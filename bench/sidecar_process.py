@@ -183,7 +183,12 @@ class Sidecar:
 
 
 def write_sidecar_config(
-    path: Path, *, root: str, subscription: Mapping[str, Any], tracing: Mapping[str, Any] | None = None
+    path: Path,
+    *,
+    root: str,
+    subscription: Mapping[str, Any],
+    tracing: Mapping[str, Any] | None = None,
+    peering: Mapping[str, Any] | None = None,
 ) -> Path:
     body: dict[str, Any] = {
         "project": PROJECT,
@@ -194,5 +199,7 @@ def write_sidecar_config(
     }
     if tracing is not None:
         body["tracing"] = dict(tracing)
+    if peering is not None:
+        body["peering"] = dict(peering)
     path.write_text(yaml.safe_dump(body, sort_keys=False))
     return path
