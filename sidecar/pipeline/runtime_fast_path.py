@@ -62,7 +62,7 @@ class FastPath:
         entry = self._entry(incoming)
         if entry is None:
             return None
-        message = self._ctx.engines.with_prior(incoming.to_message(now_ms, "", volatile=True))
+        message = incoming.to_message(now_ms, "", volatile=True)
         if not entry.engine.fast_path(message):
             original = entry.engine.volatile_original(message)
             if original is None or id(original) not in entry.volatile:
@@ -71,6 +71,8 @@ class FastPath:
             entry.copies.setdefault(id(original), []).append(message)
             self._ctx.counters.fast_path_copies += 1
             return message
+        # Taken: only now may it carry (and use up) the attempts an earlier engine made of it.
+        message = self._ctx.engines.with_prior(message)
         entry.volatile[id(message)] = message
         self._ctx.counters.fast_path += 1
         self._ctx.apply(entry, entry.engine.on_stored(message, now_ms))
