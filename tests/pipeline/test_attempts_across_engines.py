@@ -4,6 +4,8 @@ same process (a lease lost in a Firestore outage, issue 31): kept in memory, not
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_runtime_shards import World, keys_of_shard
 
 from sidecar.engine import Engine
@@ -49,3 +51,23 @@ def test_the_engine_counts_prior_attempts_in_attempt_numbers_and_the_retry_bound
     assert delivery.attempt == 3
     [action] = engine.nack("c", delivery.delivery_id, 10)
     assert isinstance(action, DeadLetter) and action.reason == "max_delivery_attempts" and action.attempts == 3
+
+
+@given(prior=st.integers(0, 8), max_attempts=st.integers(1, 8))
+def test_attempts_go_on_from_the_prior_ones_until_the_bound(prior: int, max_attempts: int) -> None:
+    engine = Engine(
+        EngineConfig(mode="sequence", max_delivery_attempts=max_attempts, ack_deadline_ms=1_000, backoff_initial_ms=0),
+        id_prefix="x-",
+    )
+    engine.on_stored(_message(1, prior=prior), 0)
+    seen: list[int] = []
+    for now in range(1, 20):
+        deliveries = engine.take("c", 1, now)
+        if not deliveries:
+            break
+        seen.append(deliveries[0].attempt)
+        actions = engine.nack("c", deliveries[0].delivery_id, now, retry_after_ms=0)
+        if any(isinstance(action, DeadLetter) for action in actions):
+            break
+    # Attempt numbers go on from the prior ones, and the bound counts them: at least one delivery.
+    assert seen == list(range(prior + 1, max(prior + 1, max_attempts) + 1))
