@@ -13,6 +13,8 @@ The only module that turns engine types into ``pubsub_sidecar.v1`` messages. Rul
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from pubsub_sidecar.v1 import sidecar_pb2
@@ -106,8 +108,19 @@ def _duration(ms: int) -> duration_pb2.Duration:
     return duration
 
 
-def fill_reports(proto: sidecar_pb2.SubscriptionStatus, capacity: Capacity, lease_problem: str | None) -> None:
-    """Capacity (once sampled long enough to mean something) and why leases are lost, if they are."""
+def fill_reports(
+    proto: sidecar_pb2.SubscriptionStatus,
+    capacity: Capacity,
+    lease_problem: str | None,
+    dead_letters: Mapping[str, int],
+) -> None:
+    """Capacity (once sampled long enough to mean something), why leases are lost, if they are, and
+    ingest's dead letters added to the counts (``dead_lettered`` and ``dead_lettered:<reason>``)."""
+    counts = proto.counts
+    for reason, count in dead_letters.items():
+        if count:
+            counts[f"dead_lettered:{reason}"] = counts.get(f"dead_lettered:{reason}", 0) + count
+            counts["dead_lettered"] = counts.get("dead_lettered", 0) + count
     if capacity.known:
         proto.capacity.intake_per_second = capacity.intake_per_second
         proto.capacity.delivered_per_second = capacity.delivered_per_second

@@ -53,11 +53,14 @@ MAX_STATUS_KEYS = 10_000
 
 
 class StatusReports(Protocol):
-    """What GetStatus adds to the runtime's status: capacity and lease health, by subscription name."""
+    """What GetStatus adds to the runtime's status, by subscription name: capacity, lease health, and
+    the dead letters ingest decided before the engine saw the message (malformed, ...)."""
 
     def capacity(self, name: str) -> Capacity: ...
 
     def lease_problem(self, name: str) -> str | None: ...
+
+    def dead_letters(self, name: str) -> Mapping[str, int]: ...
 
 
 class WaitingReport(Protocol):
@@ -217,7 +220,8 @@ class OrderedDeliveryServicer(sidecar_pb2_grpc.OrderedDeliveryServicer):
                 pull_failure = self._pull_failures.get(runtime.name)
                 proto.pull_failure = (pull_failure() if pull_failure is not None else None) or ""
                 if self._reports is not None:
-                    fill_reports(proto, self._reports.capacity(runtime.name), self._reports.lease_problem(runtime.name))
+                    reports, name = self._reports, runtime.name
+                    fill_reports(proto, reports.capacity(name), reports.lease_problem(name), reports.dead_letters(name))
                 response.subscriptions.append(proto)
             if not request.subscription and self.entries is not None:
                 for relay in self.entries.reports():

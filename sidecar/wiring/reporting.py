@@ -145,6 +145,11 @@ class Reports:
         window = self._capacity.get(name)
         return UNKNOWN if window is None else window.capacity(self._monotonic())
 
+    def dead_letters(self, name: str) -> dict[str, int]:
+        """Dead letters ingest decided, by reason family, for GetStatus's counts (as the metrics)."""
+        s = self._subs.get(name)
+        return {} if s is None else ingest_dead_letters(s)
+
     def lease_problem(self, name: str) -> str | None:
         """Why this pod cannot hold its leases, in words; None while its lease reads work."""
         health = self._leases.get(name)
@@ -155,6 +160,13 @@ class Reports:
             f"Firestore unavailable since {since}: {health.failed_reads} lease reads failed; this pod loses "
             "its shards as their leases run out and delivers none of their keys until Firestore answers"
         )
+
+
+def ingest_dead_letters(s: SubscriptionParts) -> dict[str, int]:
+    """Dead letters ingest decides before the engine sees the message, by reason family (every
+    family always present, so that ``increase()`` sees the first one)."""
+    ingest = s.ingestor.counters
+    return {"malformed": ingest.malformed, "conflict": ingest.conflicts, "store_rejected": ingest.rejected}
 
 
 def metrics_snapshot(subs: Iterable[SubscriptionParts], reports: Reports | None = None) -> list[SubscriptionMetrics]:
@@ -171,10 +183,8 @@ def metrics_snapshot(subs: Iterable[SubscriptionParts], reports: Reports | None 
         counts = status.counts
         dead = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dead_lettered:")}
         ingest = s.ingestor.counters
-        # Dead letters ingest decides before the engine sees the message, by reason family.
-        dead["malformed"] = dead.get("malformed", 0) + ingest.malformed
-        dead["conflict"] = dead.get("conflict", 0) + ingest.conflicts
-        dead["store_rejected"] = dead.get("store_rejected", 0) + ingest.rejected
+        for reason, count in ingest_dead_letters(s).items():
+            dead[reason] = dead.get(reason, 0) + count
         oldest = status.oldest_undelivered_ms
         lag = None
         if s.watermark is not None and s.watermark.watermark_ms is not None:

@@ -124,6 +124,9 @@ async def test_a_malformed_message_is_counted_warned_about_and_found_by_its_key(
         if "dead-lettered" in record.get("message", "") and "malformed" in record["message"]
     ]
     assert len(warned) == 2 and all(record["severity"] == "WARNING" for record in warned), warned
+    # GetStatus counts them as the metrics do.
+    counts = (await get_status(scenario.listen, sub.name)).subscriptions[0].counts
+    assert (counts["dead_lettered"], counts["dead_lettered:malformed"]) == (2, 2)
 
 
 async def test_status_and_readiness_say_why_leases_are_lost_while_firestore_does_not_answer(
