@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import secrets
@@ -235,7 +236,7 @@ class Relay:
             self._rules,
             self.config.sequence.start,
             self.config.max_batch,
-            lambda: self.leases.fence(shard),
+            functools.partial(self._fence, shard, epoch),
             lambda: self.leases.holds(shard) == epoch,
             waiting=self._given_up,
             on_give_up=self._record_give_up,
@@ -244,6 +245,14 @@ class Relay:
         wake.set()
         task = asyncio.get_running_loop().create_task(self._work(worker, wake), name=f"relay-{self.name}-{shard}")
         self._workers[shard] = (task, worker)
+
+    def _fence(self, shard: int, epoch: int) -> docs.Fence:
+        """The shard's lease as the fence of a settle planned under ``epoch``: ``ShardLost`` when the
+        lease is held at another epoch now (a settle planned under an old one must not pass as new)."""
+        fence = self.leases.fence(shard)
+        if fence.expected.get("epoch") != epoch:
+            raise ShardLost(self._relay_root, [shard], {shard: epoch})
+        return fence
 
     def _on_lost(self, shard: int, epoch: int) -> None:
         held = self._workers.get(shard)
