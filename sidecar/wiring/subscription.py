@@ -10,8 +10,9 @@ Rules:
   ``sidecar.wiring.ownership`` (gained, lost, before release): neither layer imports the other.
 - Ingest persists through the timing store it is given (the persist-latency histogram); the runtime
   reports each batch it hands out through ``on_delivered`` (the publish-to-delivery histogram).
-- The Listen on the lease documents starts a lease round at once on a take, hand-over, release or
-  request, never on a renewal; when it fails, the rounds still run every third of a lease.
+- The Listen on the lease documents starts a full lease round at once on a take, hand-over,
+  release, request or a change by hand, never on a renewal; when it fails, a full round still runs
+  every 60 leases (``sidecar.cluster.leases.manager``).
 - ``pod_identity`` is the pod's name, the same for every process of the pod (static membership):
   a restarted container takes its own shards back at once, at new epochs, as a new incarnation of
   the name (``sidecar.cluster.leases.members``), and a second process under a living name is refused.
@@ -125,16 +126,16 @@ def _listen_leases(documents: docs.Documents, leases: ShardLeases, sub_path: str
     """A Listen on the subscription's lease documents: any change (a release, a request, a take)
     runs a lease round at once instead of at the next renewal."""
 
-    seen: dict[str, tuple[object, object, object]] = {}
+    seen: dict[str, object] = {}
 
     def on_change(change: docs.Change) -> None:
-        # Renewals (``beat``) change nothing to act on; a take, hand-over, release or request does.
-        # Poking on every renewal would make every pod's renewal start a round at every other pod.
+        # Every change but a renewal (``beat``, which only sidecars from before member documents
+        # write) is one to act on: a take, hand-over, release, request, or a document changed by hand.
         if change.initial:
             seen.clear()
         relevant = bool(change.removals)
         for doc_id, fields, _ in change.upserts:
-            state = (fields.get("owner"), fields.get("epoch"), fields.get("wanted_by"))
+            state = sorted((name, repr(value)) for name, value in fields.items() if name != "beat")
             relevant |= seen.get(doc_id) != state
             seen[doc_id] = state
         for doc_id in change.removals:

@@ -14,6 +14,7 @@ from sidecar.cluster.leases import ShardLeases
 from sidecar.cluster.leases.manager import _monotonic_ms
 from sidecar.cluster.leases.planner import fair_share
 from sidecar.store import documents as docs
+from sidecar.wiring.subscription import _listen_leases
 
 SUB_PATH = "pubsub-sidecar/orders"
 
@@ -48,12 +49,19 @@ class Member:
             address=address,
         )
         self.task: asyncio.Task[None] | None = None
+        self.listen: docs.Listening | None = None
 
     def start(self) -> None:
+        """Run the rounds, with the Listen on the lease documents the sidecar runs beside them
+        (``sidecar.wiring.subscription``): a change of owner or an ask starts a full round at once."""
+        self.listen = _listen_leases(self.documents, self.leases, SUB_PATH, "orders")
         self.task = asyncio.ensure_future(self.leases.run())
 
     async def stop(self) -> None:
         """Cancel the task (kill -9, or a pause when started again later): no release."""
+        if self.listen is not None:
+            await self.listen.close()
+            self.listen = None
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -9,9 +9,10 @@ the process running under it, its address, its beat) and ``membership`` keeps th
 """
 
 from sidecar.cluster.leases.layout import LEASE_LAYOUT_VERSION, LeaseLayoutError
-from sidecar.cluster.leases.manager import LeaseStats, ShardLeases
+from sidecar.cluster.leases.manager import ShardLeases
 from sidecar.cluster.leases.members import MembershipRefused, Superseded
 from sidecar.cluster.leases.membership import Route
+from sidecar.cluster.leases.writes import LeaseStats
 
 __all__ = [
     "LEASE_LAYOUT_VERSION",

@@ -15,7 +15,9 @@ One document per shard, ``{sub_path}/leases/{shard:04d}``, created on first use,
   ``wanted_by`` (str, a pod asking for the shard, ``""`` when none).
 
 Expiry is judged on the database's clock only: ``read_time - update_time > lease_ms`` (both from
-one read), so a pod's wall clock never matters.
+one read), so a pod's wall clock never matters. ``LeaseView.expired`` is the lease document's own;
+the manager judges a lease by its owner's member document instead when the owner has one
+(``sidecar.cluster.leases.liveness``), and lease documents are then written only on changes.
 
 Epochs are unique per shard for all time, across a deleted or rewritten document: an epoch is never
 below the read time of the read it was planned from (``next_epoch``). Every write that sets an epoch
@@ -32,12 +34,16 @@ taken nor written by this pod, and every other shard goes on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreRejected
+
+_LOGGER = logging.getLogger("sidecar.cluster.leases.manager")
+"""The manager's logger: these lines were always its."""
 
 LEASE_LAYOUT_VERSION = 1
 
@@ -150,6 +156,28 @@ def shard_count_refusal(sub_path: str, shard_count: int, views: Sequence[LeaseVi
         f"pending messages carry their shard): set sharding.shards back to {written} "
         "(docs/operations.md, 'Changing the shard count S')"
     )
+
+
+def note_problems(views: Sequence[LeaseView], blocked: dict[int, str], subscription: str) -> int:
+    """Keep ``blocked`` (shard -> problem) as ``views`` show it, logging once per problem, not every
+    round: an ERROR line when a document turns bad (or its problem changes), an INFO line when it
+    reads as a lease again. Returns how many shards are blocked."""
+    for view in views:
+        known = blocked.get(view.shard)
+        if view.problem and view.problem != known:
+            _LOGGER.error(
+                "subscription %s: shard %d stopped, its lease document is left alone: %s",
+                subscription,
+                view.shard,
+                view.problem,
+            )
+            blocked[view.shard] = view.problem
+        elif not view.problem and known is not None:
+            _LOGGER.info(
+                "subscription %s: shard %d: its lease document reads as a lease again", subscription, view.shard
+            )
+            del blocked[view.shard]
+    return len(blocked)
 
 
 def _problem(path: str, fields: docs.Fields, update_time_us: int | None) -> str | None:

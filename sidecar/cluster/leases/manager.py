@@ -1,27 +1,41 @@
 """One subscription's shard leases for this pod: rounds of read, plan, compare-and-set.
 
 Before the first round the process joins under its pod name (``membership``: static membership).
-Every ``lease_ms / 3`` (sooner after ``poke()``, e.g. from a Listen on the lease documents) a round
-reads all S lease documents and this pod's member document in one batched read, asks
-``sidecar.cluster.leases.planner`` what to write, and writes it with the member document's beat in
-one BatchWrite of compare-and-set writes (per-write outcomes: one lost race costs only that shard).
-A conflict (another pod wrote first) brings the next round forward. A round that created missing
-documents (free) reads and plans again at once, to take them. A member document naming a newer
-process of this pod name drops every shard and ends ``run()`` (``Superseded``).
+A lease is held while its document names the pod and the pod's member document is alive
+(``liveness``): the member document's beat renews every lease of the pod at once, and lease
+documents are written only when ownership changes. Two kinds of rounds, one every ``lease_ms / 2``
+(sooner after ``poke()``, which the Listen on the lease documents calls on every change of them):
+
+- **Light** (the steady state): read this pod's member document and those of the other pods the
+  leases name (P reads), and beat (one write, a compare-and-set on the version read). Nothing
+  grows with S. The next light round comes no later than the moment the first watched pod's member
+  document would expire, so a pod that dies is seen within ``_CHECK_SLACK_MS`` of its expiry.
+- **Full** (the first round, after a poke, when a watched pod is no longer alive, when a shard was
+  lost since the last full round, while draining, after a round that wrote anything else than the
+  beat or lost a race, and at least every ``_FULL_EVERY_ROUNDS`` rounds): read every lease document
+  with the member documents they name, judge the leases by their owners' (``liveness.judged``),
+  ask ``sidecar.cluster.leases.planner`` what to write, and write it (``writes.LeaseWriter``): one
+  BatchWrite of compare-and-set writes with the beat (a renewal writes a lease document only to
+  clear an ask), and one atomic Commit per owner whose leases are taken while its member document
+  was read expired (the Commit lapses it). A round that created missing documents (free) reads and
+  plans again at once, to take them.
+
+A member document naming a newer process of this pod name drops every shard and ends ``run()``
+(``Superseded``); one lapsed by another pod (or deleted) drops every shard, and the process joins
+again at once under a new incarnation.
 
 Safety, and which clock serves what:
 
 - Expiry is judged on the database's clock only (``read_time - update_time > lease_ms``, both from
-  one read; ``sidecar.cluster.leases.layout``), so a pod whose wall clock is off behaves the same: nothing
-  here reads the wall clock.
-- This pod's monotonic clock serves only its own safety margin: after a renewal or take *sent* at
-  t, the shard counts as held until ``t + 0.8 * lease_ms``. The write's update time is later than
-  t, and another pod can take the lease only from a read of that version at least ``lease_ms`` of
-  database time after it, so the margin ends first (clock rates may differ by up to 20 %).
-  ``sidecar.cluster.leases.holdings`` keeps the held shards and their margins: ``holds()`` compares
-  with the clock on every call, and a timer drops a shard the moment its margin passes
-  (``on_lost``), not only at the next round: a pod that wakes from a pause never delivers on a
-  margin that ran out while it slept.
+  one read), so a pod whose wall clock is off behaves the same: nothing here reads the wall clock.
+- This pod's monotonic clock serves only its own safety margin: after a beat *sent* at t, every
+  shard it holds counts as held until ``t + 0.8 * lease_ms``. The beat's update time is later than
+  t, and another pod can take a lease of this pod only after reading that version of its member
+  document at least ``lease_ms`` of database time after it, and lapsing it (a compare-and-set on
+  that version, in the same Commit as the take: a later beat fails), so the margin ends first
+  (clock rates may differ by up to 20 %). ``sidecar.cluster.leases.holdings`` keeps the held
+  shards and their margins: ``holds()`` compares with the clock on every call, and a timer drops a
+  shard the moment its margin passes (``on_lost``), not only at the next round.
 - Every write names the version it was planned from, so a paused pod that wakes and writes from
   an old read changes nothing. The lease document is also the fence of every advancing write
   (``fence()``), which Firestore checks in the store's transactions: that, not the margin, is what
@@ -50,16 +64,17 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Awaitable, Callable
 
 from sidecar.backoff import backoff_seconds
 from sidecar.cluster.leases import planner
 from sidecar.cluster.leases.holdings import Holding, Holdings
-from sidecar.cluster.leases.layout import LeaseView, lease_fields, lease_path, read_lease, shard_count_refusal
-from sidecar.cluster.leases.members import Superseded, answers
-from sidecar.cluster.leases.membership import Membership, Route
+from sidecar.cluster.leases.layout import LeaseView, lease_path, note_problems, read_lease, shard_count_refusal
+from sidecar.cluster.leases.liveness import first_expiry_us, judged, lapses, watched
+from sidecar.cluster.leases.members import MemberView, Superseded, answers
+from sidecar.cluster.leases.membership import Lapsed, Membership, Route
 from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
+from sidecar.cluster.leases.writes import LeaseStats, LeaseWriter
 from sidecar.shards import MAX_SHARDS
 from sidecar.store import documents as docs
 from sidecar.store.api import ShardLost, StoreUnavailable
@@ -70,8 +85,17 @@ SAFETY_FACTOR = 0.8
 """A lease counts as held for 80 % of its duration after the renewal was sent: the other 20 %
 absorb a difference of clock rates between this pod and the database, and the lag of the timer."""
 
-ROUNDS_PER_LEASE = 3
-"""KCL renews every failover time / 3: two renewals may fail before the safety margin runs out."""
+ROUNDS_PER_LEASE = 2
+"""A beat every half lease: one that fails is tried again soon (a tenth of a round later, backing
+off), well before the safety margin (0.8 lease) runs out; a third beat a lease would cost a half more."""
+
+_FULL_EVERY_ROUNDS = 120
+"""A full round at least every 60 leases (10 minutes at the default lease), Listen or not: a Listen
+that failed (it is not started again) must not leave an ask unanswered for good. A pod that left or
+died is seen by the light rounds, so only balancing waits on this; it costs S / 120 reads a round."""
+
+_CHECK_SLACK_MS = 20
+"""After the moment a watched pod's member document would expire: when a light round looks again."""
 
 MIN_LEASE_MS = 300
 """Below this a round (a batched read and a BatchWrite) would not reliably fit a third of a lease."""
@@ -97,31 +121,6 @@ _SETTLED_POLL_SECONDS = 0.02
 
 def _monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
-
-
-@dataclass(slots=True)
-class LeaseStats:
-    """Counters for GetStatus and metrics."""
-
-    rounds: int = 0
-    read_failures: int = 0
-    renewals: int = 0
-    renewal_failures: int = 0
-    creates: int = 0
-    """Missing lease documents written (free): one per shard at first use, or after a deletion by hand."""
-    takes: int = 0
-    asks: int = 0
-    handovers: int = 0
-    releases: int = 0
-    lost: int = 0
-    conflicts: int = 0
-    pods: int = 0
-    """Live pods seen by the last round."""
-    blocked: int = 0
-    """Shards whose lease document the last round could not read as a lease (``blocked()``)."""
-
-    def counts(self) -> dict[str, int]:
-        return {f"lease_{field.name}": getattr(self, field.name) for field in fields(self)}
 
 
 class ShardLeases:
@@ -185,9 +184,31 @@ class ShardLeases:
         """Rounds in a row that asked for the next one soon (conflicts, failures): their backoff."""
         self._blocked: dict[int, str] = {}
         """Shard -> the problem of its lease document, as the last read saw it."""
-        self._membership = Membership(documents, sub_path, pod_id, address=address, lease_ms=lease_ms, probe=probe)
+        self._membership = Membership(
+            documents, sub_path, pod_id, address=address, lease_ms=lease_ms, probe=probe, monotonic_ms=monotonic_ms
+        )
+        self._writer = LeaseWriter(
+            documents,
+            sub_path,
+            shard_count,
+            holdings=self._holdings,
+            membership=self._membership,
+            stats=self.stats,
+            margin_ms=self._margin_ms,
+            monotonic_ms=monotonic_ms,
+            running=lambda: self._mode is Mode.RUN,
+        )
         self._views: list[LeaseView] = []
-        """The lease documents as the last round read them (``route``)."""
+        """The lease documents as the last full round judged them (``route``)."""
+        self._full = True
+        """The next round reads every lease document (poked, first, or something left to do)."""
+        self._check_at_ms: int | None = None
+        """When the first watched pod's member document would expire (this pod's clock)."""
+        self._held_after_full: set[int] = set()
+        """The shards held when the last full round ended: a light round that finds fewer runs a full one."""
+        self._light_rounds = 0
+        self._raw: dict[int, LeaseView] = {}
+        """The lease documents as the last full round read them (before ``liveness.judged``)."""
 
     # ---- API for the runtime -------------------------------------------------------------------
 
@@ -206,6 +227,8 @@ class ShardLeases:
             conflict = await self._round()
             self._raise_failure()
             delay_ms: float = self._period_ms
+            if self._check_at_ms is not None:
+                delay_ms = max(0, min(delay_ms, self._check_at_ms - self._monotonic_ms()))
             if conflict:
                 # Soon, spread out (pods racing for one lease must not collide again), and backing
                 # off when rounds keep failing (an outage costs few calls).
@@ -247,7 +270,8 @@ class ShardLeases:
         return True
 
     def poke(self) -> None:
-        """Run a round now (a lease document changed)."""
+        """Run a full round now (a lease document changed)."""
+        self._full = True
         self._poked.set()
 
     def holds(self, shard: int) -> int | None:
@@ -325,98 +349,152 @@ class ShardLeases:
         async with self._lock:
             if self._left:
                 return False
+            if not self._full and self._mode is Mode.RUN:
+                light = await self._light_round()
+                if light is not None:
+                    return light
+            self._full = False
             conflict = False
             beat = True
             # Missing documents are created free, then taken by a second pass at once (a first
             # round takes what it can, which ``settled`` relies on).
             for _ in range(2):
                 mode = self._mode
-                views = await self._read()
-                if views is None:
+                read = await self._read()
+                if read is None:
                     return True
+                views, members = read
                 plan = planner.plan(views, self.pod_id, self._holdings.epochs(), self.lease_ms, mode)
                 self.stats.pods = plan.pods
                 for shard in plan.lost:
                     self._holdings.drop(shard)
-                # This pod's member document beats once a round, in the same BatchWrite.
+                # A renewal writes a lease document only to clear an ask: the beat renews them all.
+                writes = [w for w in plan.writes if w.action not in GIVING_UP and not self._idle(w)]
+                lapsing = lapses(writes, self._raw, members, self.pod_id)
+                taken = {id(w) for _, ws in lapsing.values() for w in ws}
                 member = self._membership.beat() if beat else None
                 beat = False
-                conflict |= await self._send([w for w in plan.writes if w.action not in GIVING_UP], member)
+                conflict |= await self._writer.send([w for w in writes if id(w) not in taken], member)
+                for owner, ws in lapsing.values():
+                    conflict |= await self._writer.take_lapsing(owner, ws)
                 giving = [w for w in plan.writes if w.action in GIVING_UP]
                 if giving:
                     await self._before_giving_up({w.shard for w in giving if w.shard in self._holdings})
-                    conflict |= await self._send(giving)
+                    conflict |= await self._writer.send(giving)
+                self._full |= conflict or bool(writes or giving)
                 if not any(w.action is Action.CREATE for w in plan.writes):
                     break
             if self._first_round is None:
                 self._first_round = self._holdings.snapshot()
-        await self._membership.refresh_addresses(self._views)
+            self._held_after_full = set(self._holdings.shards())
+            self._light_rounds = 0
+            return conflict
+
+    def _idle(self, write: LeaseWrite) -> bool:
+        """A renewal that would leave its lease document as it is (no ask to clear)."""
+        return write.action is Action.RENEW and self._raw[write.shard].wanted_by == write.wanted_by
+
+    async def _light_round(self) -> bool | None:
+        """Between full rounds: read this pod's and the watched pods' member documents, and beat;
+        None when a watched pod is no longer alive (a full round follows at once)."""
+        self._holdings.expire_due()
+        self._light_rounds += 1
+        if set(self._holdings.shards()) != self._held_after_full or self._light_rounds >= _FULL_EVERY_ROUNDS:
+            return None  # a shard lost since (its margin passed, a fence failed), or time to look at every lease
+        self.stats.rounds += 1
+        pods = sorted(self._membership.watched)
+        try:
+            read_us, versions = await self._documents.get_versioned(
+                [self._membership.path, *self._membership.paths(pods)]
+            )
+        except StoreUnavailable as exc:
+            self.stats.read_failures += 1
+            _LOGGER.warning("subscription %s: member read failed, retrying soon: %s", self._subscription, exc)
+            return True
+        self._holdings.expire_due()
+        if await self._check_own(read_us, versions):
+            return True
+        members = self._membership.members(read_us, versions, pods)
+        if not all(m.alive for m in members.values()):
+            return None
+        self._schedule_check(members)
+        conflict = await self._writer.send([], self._membership.beat())
+        self._full |= conflict  # a poke that came meanwhile is kept
         return conflict
+
+    async def _check_own(self, read_us: int, versions: dict[str, docs.Versioned]) -> bool:
+        """Stop (raise) when a newer process took this pod name; True when this process's member
+        document had lapsed and it joined again (every shard dropped: they are taken anew)."""
+        stop = self._membership.check(read_us, versions)
+        if stop is None:
+            return False
+        for shard in self._holdings.shards():
+            self._holdings.drop(shard)
+        if not isinstance(stop, Lapsed):
+            raise stop
+        _LOGGER.warning("subscription %s: %s; joining again", self._subscription, stop)
+        await self._membership.join()
+        self._full = True
+        return True
+
+    def _schedule_check(self, members: dict[str, MemberView]) -> None:
+        first_us = first_expiry_us(list(members.values()))
+        now = self._monotonic_ms()
+        self._check_at_ms = None if first_us is None else now + first_us // 1000 + _CHECK_SLACK_MS
 
     async def _leave_round(self) -> bool:
         """One leaving round; True when every lease naming this pod was handed over or freed."""
         try:
-            views = await self._read()
+            read = await self._read()
         except Superseded:
             return True  # a newer process of this pod name holds what this one held
-        if views is None:
+        if read is None:
             return False
-        plan = planner.plan(views, self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE)
+        plan = planner.plan(read[0], self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE)
         for shard in self._holdings.shards():
             self._holdings.drop(shard, counted=shard in plan.lost)
         # The member document says this process left: a process restarted under the name takes it at once.
-        return not await self._send(list(plan.writes), self._membership.beat(left=True)) and not plan.lost
+        return not await self._writer.send(list(plan.writes), self._membership.beat(left=True)) and not plan.lost
 
-    async def _read(self) -> list[LeaseView] | None:
+    async def _read(self) -> tuple[list[LeaseView], dict[str, MemberView]] | None:
+        """Every lease document, this pod's member document and those of the pods the leases name
+        (a second read for pods not watched yet); the leases judged by their owners' (``liveness``)."""
         self.stats.rounds += 1
         self._holdings.expire_due()
+        pods = sorted(self._membership.watched)
         try:
-            read_us, versions = await self._documents.get_versioned([*self._paths, self._membership.path])
+            paths = [*self._paths, self._membership.path, *self._membership.paths(pods)]
+            read_us, versions = await self._documents.get_versioned(paths)
+            missing = docs.Versioned(None, None)
+            raw = [
+                read_lease(path, shard, self._shard_count, read_us, versions.get(path, missing))
+                for shard, path in enumerate(self._paths)
+            ]
+            named = sorted(watched(raw, self.pod_id) - set(pods))
+            more_us, more = await self._documents.get_versioned(self._membership.paths(named)) if named else (0, {})
         except StoreUnavailable as exc:
             self.stats.read_failures += 1
             _LOGGER.warning("subscription %s: lease read failed, retrying next round: %s", self._subscription, exc)
             return None
         self._holdings.expire_due()
-        missing = docs.Versioned(None, None)
-        views = [
-            read_lease(path, shard, self._shard_count, read_us, versions.get(path, missing))
-            for shard, path in enumerate(self._paths)
-        ]
-        refusal = shard_count_refusal(self._sub_path, self._shard_count, views)
+        refusal = shard_count_refusal(self._sub_path, self._shard_count, raw)
         if refusal is not None:
             raise refusal
-        stop = self._membership.check(read_us, versions)
-        if stop is not None:
-            # A newer process of this pod name takes every shard at new epochs: stop holding them now.
-            for shard in self._holdings.shards():
-                self._holdings.drop(shard)
-            raise stop
-        self._note_problems(views)
-        self._views = views
-        return views
-
-    def _note_problems(self, views: Sequence[LeaseView]) -> None:
-        """Once per problem, not every round: an ERROR line when a document turns bad (or its problem
-        changes), an INFO line when it reads as a lease again."""
-        for view in views:
-            known = self._blocked.get(view.shard)
-            if view.problem and view.problem != known:
-                _LOGGER.error(
-                    "subscription %s: shard %d stopped, its lease document is left alone: %s",
-                    self._subscription,
-                    view.shard,
-                    view.problem,
-                )
-                self._blocked[view.shard] = view.problem
-            elif not view.problem and known is not None:
-                _LOGGER.info(
-                    "subscription %s: shard %d: lease document %s reads as a lease again",
-                    self._subscription,
-                    view.shard,
-                    self._paths[view.shard],
-                )
-                del self._blocked[view.shard]
-        self.stats.blocked = len(self._blocked)
+        if await self._check_own(read_us, versions):
+            return None
+        self.stats.blocked = note_problems(raw, self._blocked, self._subscription)
+        members = self._membership.members(read_us, versions, pods)  # each judged at its own read's time
+        members.update(self._membership.members(more_us, more, named))
+        members = {pod: members[pod] for pod in watched(raw, self.pod_id)}
+        # Light rounds watch the pods alive now: one of them no longer alive brings a full round.
+        self._membership.watched = {pod for pod, member in members.items() if member.alive}
+        self._schedule_check(members)
+        own = self._membership.own
+        if own is not None:
+            members[self.pod_id] = own  # this pod's leases are judged by its own member document too
+        self._raw = {view.shard: view for view in raw}
+        self._views = judged(raw, members)
+        return self._views, members
 
     async def _before_giving_up(self, shards: set[int]) -> None:
         """Let the runtime stop delivering and drain (bounded), then stop holding: the hand-over
@@ -436,81 +514,6 @@ class ShardLeases:
         for shard in shards:
             if shard in self._holdings:
                 self._holdings.drop(shard, counted=False)
-
-    async def _send(self, writes: Sequence[LeaseWrite], member: docs.Write | None = None) -> bool:
-        """Write ``writes`` and ``member`` (this pod's member document) in one BatchWrite; True when
-        one lost a race (another pod wrote first) or failed."""
-        if not writes and member is None:
-            return False
-        batch = [
-            docs.compare_and_set(
-                lease_path(self._sub_path, w.shard),
-                lease_fields(self._shard_count, w.owner, w.epoch, w.beat, w.lease_ms, w.wanted_by),
-                w.update_time_us,
-            )
-            for w in writes
-        ]
-        if member is not None:
-            batch.append(member)
-        # The margin counts from before the request leaves: the write's update time is later.
-        sent_ms = self._monotonic_ms()
-        try:
-            statuses = await self._documents.batch_write(batch)
-        except StoreUnavailable as exc:
-            # Maybe applied: the next round's read tells (a take that did apply shows this pod as
-            # owner but not holding it, and is taken again at a new epoch).
-            self.stats.renewal_failures += sum(1 for w in writes if w.action is Action.RENEW)
-            _LOGGER.warning("subscription %s: lease write failed, retrying soon: %s", self._subscription, exc)
-            return True
-        conflict = False
-        if member is not None:
-            code, message = statuses.pop()
-            if code != docs.OK:
-                # The next round's read tells why: a blip, a deletion by hand, or a newer process of this name.
-                conflict = True
-                _LOGGER.warning(
-                    "subscription %s: member document write failed: %d %s", self._subscription, code, message
-                )
-        for write, (code, message) in zip(writes, statuses, strict=True):
-            if code == docs.OK:
-                self._applied(write, sent_ms)
-                continue
-            if write.action is Action.RENEW:
-                self.stats.renewal_failures += 1
-            if code in (docs.FAILED_PRECONDITION, docs.ALREADY_EXISTS):
-                self.stats.conflicts += 1
-                conflict = True
-                continue
-            conflict = True
-            _LOGGER.warning(
-                "subscription %s: lease write (%s) of shard %d failed, retrying soon: %d %s",
-                self._subscription,
-                write.action.value,
-                write.shard,
-                code,
-                message,
-            )
-        self._holdings.arm_timer()
-        return conflict
-
-    def _applied(self, write: LeaseWrite, sent_ms: int) -> None:
-        deadline_ms = sent_ms + self._margin_ms
-        if write.action is Action.RENEW:
-            if self._holdings.renew(write.shard, write.epoch, deadline_ms):
-                self.stats.renewals += 1
-        elif write.action is Action.ACQUIRE:
-            if self._mode is not Mode.RUN or write.shard in self._holdings:
-                return  # draining began meanwhile: the stray is released by the next round
-            self.stats.takes += 1
-            self._holdings.take(write.shard, write.epoch, deadline_ms)
-        elif write.action is Action.CREATE:
-            self.stats.creates += 1
-        elif write.action is Action.ASK:
-            self.stats.asks += 1
-        elif write.action is Action.HAND_OVER:
-            self.stats.handovers += 1
-        elif write.action is Action.RELEASE:
-            self.stats.releases += 1
 
     def _raise_failure(self) -> None:
         if self._holdings.failure is not None:

@@ -13,6 +13,13 @@ name, else a digest of it), written by that pod's lease manager:
 - ``lease_ms`` (int): its lease duration; ``beat`` (int): +1 on every round, so every round moves
   the document's update time, which is what freshness is measured from.
 - ``left`` (bool): the process gave its shards up on SIGTERM and stopped.
+- ``lapsed`` (bool): another pod found the document expired and took the process's leases, in one
+  atomic Commit that also set this (a compare-and-set on the version it read). The process's beat,
+  a compare-and-set too, can then never apply: it stops holding everything and joins again.
+
+A pod's shard is held while its lease document names the pod and the pod's member document is
+``alive`` (``MemberView.alive``): renewing the member document (the beat) renews every lease of
+the pod at once, and lease documents are written only when ownership changes (docs/leases.md).
 
 **Static membership.** A process starting under a pod name (``decide_join``) takes the name over at
 once (a compare-and-set on the version read, with a new incarnation) when the document is missing,
@@ -79,12 +86,18 @@ class MemberView:
     lease_ms: int = 0
     beat: int = 0
     left: bool = False
+    lapsed: bool = False
     expired: bool = False
     """On the database's clock: the read's time minus the document's update time exceeds ``lease_ms``."""
     update_time_us: int | None = None
     read_us: int = 0
     problem: str = ""
     """Why this pod must not read the document as a member document; ``""`` when it may."""
+
+    @property
+    def alive(self) -> bool:
+        """Readable, not expired, not left, not lapsed: the leases naming this pod are held."""
+        return self.exists and not self.problem and not (self.expired or self.left or self.lapsed)
 
     @property
     def next_incarnation(self) -> int:
@@ -104,7 +117,7 @@ def member_path(sub_path: str, pod: str) -> str:
 
 
 def member_fields(
-    pod: str, incarnation: int, address: str, lease_ms: int, beat: int, *, left: bool = False
+    pod: str, incarnation: int, address: str, lease_ms: int, beat: int, *, left: bool = False, lapsed: bool = False
 ) -> dict[str, Any]:
     return {
         "v": MEMBER_LAYOUT_VERSION,
@@ -114,6 +127,7 @@ def member_fields(
         "lease_ms": lease_ms,
         "beat": beat,
         "left": left,
+        "lapsed": lapsed,
     }
 
 
@@ -134,6 +148,7 @@ def read_member(path: str, pod: str, read_us: int, version: docs.Versioned) -> M
         lease_ms=fields["lease_ms"],
         beat=fields["beat"],
         left=fields["left"],
+        lapsed=fields["lapsed"],
         expired=read_us - version.update_time_us > fields["lease_ms"] * 1000,
         update_time_us=version.update_time_us,
         read_us=read_us,
@@ -156,7 +171,7 @@ def decide_join(view: MemberView, own_address: str) -> Join:
     document (module docstring)."""
     if view.problem:
         return Join.REFUSE
-    if not view.exists or view.left or view.expired or (view.address and view.address == own_address):
+    if not view.alive or (view.address and view.address == own_address):
         return Join.TAKE_OVER
     return Join.PROBE if view.address else Join.WAIT
 
@@ -193,8 +208,9 @@ def _problem(path: str, pod: str, fields: docs.Fields, update_time_us: int | Non
     for name in ("pod", "address"):
         if not isinstance(fields.get(name), str):
             return f"member document {path}: field {name!r} is {fields.get(name)!r:.60}, not a string (corrupt)"
-    if not isinstance(fields.get("left"), bool):
-        return f"member document {path}: field 'left' is {fields.get('left')!r:.60}, not a boolean (corrupt)"
+    for name in ("left", "lapsed"):
+        if not isinstance(fields.get(name), bool):
+            return f"member document {path}: field {name!r} is {fields.get(name)!r:.60}, not a boolean (corrupt)"
     if fields["pod"] != pod:
         return f"member document {path}: names pod {fields['pod']!r:.60}, not {pod!r:.60} (corrupt)"
     if update_time_us is None:

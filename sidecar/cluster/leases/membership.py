@@ -8,25 +8,26 @@ and the addresses of the pods that own shards. I/O for ``sidecar.cluster.leases.
   (``MembershipRefused``) when one answers on the address it recorded, after its member document
   expired when it recorded none. A write whose answer was lost is recognised at the next read by
   its incarnation (incarnations never repeat).
-- Every round reads the member document beside the lease documents (one batched read) and
-  ``check``s it: a newer incarnation of the name (``Superseded``), or a document this sidecar does
-  not read as a member document (``MembershipRefused``), stops the process (the manager drops every
-  shard first). ``beat()`` is the round's write of it (``beat + 1``, a compare-and-set on the version
-  read, in the round's BatchWrite), ``left=True`` when ``release_all`` gives everything up.
-- ``refresh_addresses`` reads the member documents of owners whose address is not known for the
-  leases they hold now (a new owner, or one at a new epoch: perhaps a new process): nothing in the
-  steady state. ``address_of`` answers from what it read.
+- Every round reads the member document (with the lease documents in a full round) and ``check``s
+  it: a newer incarnation of the name (``Superseded``), or a document this sidecar does not read as
+  a member document (``MembershipRefused``), stops the process (the manager drops every shard
+  first); a document lapsed by another pod (or deleted by hand) is ``Lapsed``: the manager drops
+  every shard and the process joins again at once. ``beat()`` is the round's write of it
+  (``beat + 1``, a compare-and-set on the version read), ``left=True`` when ``release_all`` gives
+  everything up; ``beat_sent_ms`` is when the last of its writes that applied was sent, which the
+  safety margin of every lease this pod holds counts from.
+- ``members`` reads what a round read of the other pods' member documents, and keeps their
+  addresses for ``address_of`` (``ShardLeases.route``); ``watched`` are the pods a light round reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from sidecar.backoff import backoff_seconds
-from sidecar.cluster.leases.layout import LeaseView
 from sidecar.cluster.leases.members import (
     Join,
     MembershipRefused,
@@ -56,6 +57,10 @@ class Route:
     address: str
 
 
+class Lapsed(Exception):
+    """This process's member document was lapsed by another pod, or deleted: it must join again."""
+
+
 class Membership:
     """This process under one pod name, for one subscription (module docstring)."""
 
@@ -68,6 +73,7 @@ class Membership:
         address: str,
         lease_ms: int,
         probe: Callable[[str], Awaitable[bool]],
+        monotonic_ms: Callable[[], int],
     ) -> None:
         self._documents = documents
         self._sub_path = sub_path
@@ -82,8 +88,13 @@ class Membership:
         """Set once ``join`` took the name for this process."""
         self._view: MemberView | None = None
         """The member document as the last round read it (the version its beat replaces)."""
-        self._addresses: dict[str, tuple[str, frozenset[tuple[int, int]]]] = {}
-        """Pod -> (its address, the (shard, epoch) leases it held when its member document was read)."""
+        self._monotonic_ms = monotonic_ms
+        self.beat_sent_ms: int | None = None
+        """When the last write of the member document that applied was sent (this pod's clock)."""
+        self._addresses: dict[str, str] = {}
+        """Pod -> the address its member document named when last read."""
+        self.watched: set[str] = set()
+        """The other pods the leases named at the last full round: a light round reads their documents."""
 
     # ---- the rounds ---------------------------------------------------------------------------
 
@@ -93,6 +104,9 @@ class Membership:
         view = read_member(self.path, self.pod_id, read_us, versions.get(self.path, _MISSING))
         if view.problem:
             return MembershipRefused(f"subscription {self._subscription}: {view.problem}")
+        if not view.exists or (view.lapsed and view.incarnation == self.incarnation):
+            self.incarnation = None
+            return Lapsed(f"subscription {self._subscription}: member document {self.path} lapsed or deleted")
         if view.exists and view.incarnation != self.incarnation:
             return Superseded(
                 f"subscription {self._subscription}: member document {self.path} names incarnation "
@@ -101,6 +115,11 @@ class Membership:
             )
         self._view = view
         return None
+
+    @property
+    def own(self) -> MemberView | None:
+        """This pod's member document as the last round read it."""
+        return self._view
 
     def beat(self, *, left: bool = False) -> docs.Write:
         """The round's write of the member document: ``beat + 1`` over the version the round read
@@ -157,6 +176,7 @@ class Membership:
             tried = view.next_incarnation
             fields = member_fields(self.pod_id, tried, self.address, self._lease_ms, 0)
             write = docs.compare_and_set(self.path, fields, view.update_time_us if view.exists else None)
+            sent_ms = self._monotonic_ms()
             try:
                 ((code, _),) = await self._documents.batch_write([write])
             except StoreUnavailable as exc:
@@ -166,6 +186,8 @@ class Membership:
                 continue
             if code == docs.OK:
                 self.incarnation = tried
+                self._view = None
+                self.beat_sent_ms = sent_ms
                 if view.exists and not view.left:
                     _LOGGER.info(
                         "subscription %s: pod %r taken over from incarnation %d (%s) by incarnation %d",
@@ -187,36 +209,26 @@ class Membership:
     async def _later(self, attempt: int) -> None:
         await asyncio.sleep(backoff_seconds(attempt, 0.05, self._period_s))
 
-    # ---- the owners' addresses ----------------------------------------------------------------
+    # ---- the other pods ------------------------------------------------------------------------
+
+    def paths(self, pods: Iterable[str]) -> list[str]:
+        return [member_path(self._sub_path, pod) for pod in pods]
+
+    def members(self, read_us: int, versions: dict[str, docs.Versioned], pods: Iterable[str]) -> dict[str, MemberView]:
+        """The member documents of ``pods`` as one read saw them; their addresses are kept."""
+        out: dict[str, MemberView] = {}
+        for pod in pods:
+            path = member_path(self._sub_path, pod)
+            view = read_member(path, pod, read_us, versions.get(path, _MISSING))
+            out[pod] = view
+            if view.exists and not view.problem:
+                self._addresses[pod] = view.address
+            else:
+                self._addresses.pop(pod, None)
+        return out
 
     def address_of(self, pod: str) -> str:
         """The address ``pod``'s member document named when last read (``""``: none, or not read)."""
         if pod == self.pod_id:
             return self.address
-        known = self._addresses.get(pod)
-        return known[0] if known is not None else ""
-
-    async def refresh_addresses(self, views: Sequence[LeaseView]) -> None:
-        """Read the member documents of the owners whose address is not known for the leases they
-        hold in ``views``; forget owners that hold nothing. A failed read is tried at the next round."""
-        held: dict[str, set[tuple[int, int]]] = {}
-        for view in views:
-            if not view.problem and not view.is_free and not view.expired and view.owner != self.pod_id:
-                held.setdefault(view.owner, set()).add((view.shard, view.epoch))
-        for pod in list(self._addresses):
-            if pod not in held:
-                del self._addresses[pod]
-        stale = sorted(
-            pod for pod, leases in held.items() if pod not in self._addresses or not leases <= self._addresses[pod][1]
-        )
-        if not stale:
-            return
-        paths = {pod: member_path(self._sub_path, pod) for pod in stale}
-        try:
-            read_us, found = await self._documents.get_versioned(list(paths.values()))
-        except StoreUnavailable:
-            return
-        for pod, path in paths.items():
-            member = read_member(path, pod, read_us, found.get(path, _MISSING))
-            address = member.address if member.exists and not member.problem else ""
-            self._addresses[pod] = (address, frozenset(held[pod]))
+        return self._addresses.get(pod, "")

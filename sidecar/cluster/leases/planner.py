@@ -10,9 +10,11 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
   (``wanted_by``), and this pod. With S shards and P live pods every pod aims for ``floor(S/P)``
   (``base``) and may hold up to ``ceil(S/P)``; when every pod holds one of the two and every shard
   is owned, the shares are balanced within one.
-- **Renew** every lease this pod holds (``beat + 1``: every renewal changes the document, so its
-  update time, which is what expiry is measured from). A renewal clears an ask it does not grant,
-  so an ask from a pod that has died never outlives the owner's next renewal.
+- **Renew** every lease this pod holds (``beat + 1``: every renewal changes the document). A
+  renewal clears an ask it does not grant, so an ask from a pod that has died never outlives the
+  owner's next renewal. The manager writes a renewal only when it clears an ask: the pod's member
+  document's beat renews every lease it holds (``sidecar.cluster.leases.liveness``, which also
+  judges ``expired`` in the views from the owners' member documents).
 - **Create** a missing document (first use, or deleted by hand) free, at the read's time, and take
   it in a later plan like any free lease (the manager plans again at once). A create's only
   precondition is "missing", which a document deleted and created again meanwhile also meets: a
