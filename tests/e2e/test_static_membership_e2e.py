@@ -99,3 +99,32 @@ async def test_a_pod_restarted_under_its_name_takes_its_shards_back_at_once(scen
     await async_wait_drained(scenario.emulators, [pods[0], pods[1]], sub.name, sub.subscription)
     check_sequence_guarantees_across(apps, expected)
     assert pods[0].returncode is None and pods[1].returncode is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a process refused its pod name waits out its first round's settle timeout (one lease) and starts "
+    "ingest before it stops: ShardLeases.settled does not see run()'s MembershipRefused",
+)
+async def test_a_second_process_under_a_living_pod_name_stops_without_pulling(scenario: Scenario) -> None:
+    scenario.add_subscription("orders", sharding={"shards": SHARDS, "lease_duration": f"{LEASE_SECONDS:g}s"})
+    fleet = PeeringFleet(scenario)
+    (pod,) = await fleet.start(1)
+    twin = fleet.sidecar(
+        0,
+        listen=f"unix://{scenario.workdir}/twin.sock",
+        config_name="twin-pod0",
+        peer=PeerPod(port := free_port(), f"127.0.0.1:{port}"),
+    )
+    twin.start(wait_ready=False)
+    await async_wait_until(lambda: any("peer server listening" in line for line in twin.output_lines()), "the bind")
+    bound_at = time.monotonic()
+    await async_wait_until(lambda: twin.returncode is not None, "the second pod-0 process to exit", LEASE_SECONDS + 30)
+    refused_after = time.monotonic() - bound_at
+    print(f"the second process exited with {twin.returncode} {refused_after:.1f}s after it bound its ports")
+    assert twin.returncode != 0
+    assert not [line for line in twin.output_lines() if "ingest of orders started" in line], (
+        "the refused process pulled"
+    )
+    assert refused_after < LEASE_SECONDS / 2, "the refused process waited out a lease before it stopped"
+    assert pod.returncode is None
