@@ -119,7 +119,7 @@ async def test_release_all_drains_then_hands_over_and_a_poked_manager_holds_them
             drained.append(shards)
 
         before = len(leaving.events)
-        releases = leaving.leases.stats.releases
+        releases, handovers = leaving.leases.stats.releases, leaving.leases.stats.handovers
         await leaving.leases.release_all(drain)
         released = documents.snapshot()
         staying.leases.poke()  # as a Listen on the lease documents would
@@ -127,9 +127,12 @@ async def test_release_all_drains_then_hands_over_and_a_poked_manager_holds_them
         assert drained == [held]
         assert leaving.leases.owned() == {}
         assert sorted(s for what, s, _ in leaving.events[before:] if what == "lost") == sorted(held)
-        assert leaving.leases.stats.releases == releases + len(held) and leaving.leases.stats.lost == 0
-        # Taken from free leases, not after expiry: released at a new epoch, then taken at a newer one.
-        assert all(released[lease_path(SUB_PATH, s)]["owner"] == "" for s in held)
+        assert leaving.leases.stats.handovers == handovers + len(held) and leaving.leases.stats.lost == 0
+        assert leaving.leases.stats.releases == releases
+        # Handed to the successor by name (the only other pod alive), not freed nor left to expire: at a
+        # new epoch, then taken by it at a newer one.
+        assert all(released[lease_path(SUB_PATH, s)]["owner"] == "pod-b" for s in held)
+        assert released[member_path(SUB_PATH, "pod-a")]["left"] is True
         released_epochs = {s: released[lease_path(SUB_PATH, s)]["epoch"] for s in held}
         assert all(released_epochs[s] > e for s, e in held_epochs.items())
         epochs = staying.leases.owned()

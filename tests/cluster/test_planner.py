@@ -110,6 +110,24 @@ def test_leaving_hands_asked_shards_over_frees_the_rest_and_withdraws_its_own_as
     }
 
 
+def test_leaving_hands_what_nobody_asks_for_to_the_successor_holding_fewest_by_name() -> None:
+    """A named owner at once (its Listen pokes it), rather than a free lease every pod races for."""
+    views = [owned(0, "a", wanted_by="b"), owned(1, "a"), owned(2, "a"), owned(3, "b"), owned(4, "c"), owned(5, "c")]
+    held = {0: 1, 1: 1, 2: 1}
+
+    def heirs(successors: list[str]) -> dict[int, tuple[Action, str]]:
+        return {w.shard: (w.action, w.owner) for w in plan(views, "a", held, LEASE_MS, Mode.LEAVE, successors).writes}
+
+    # The asker first; then the successor holding fewest (b holds 1, c 2), ties to the name first alphabetically.
+    assert heirs(["b", "c"]) == {0: (Action.HAND_OVER, "b"), 1: (Action.HAND_OVER, "b"), 2: (Action.HAND_OVER, "b")}
+    assert heirs(["c", "a"]) == {0: (Action.HAND_OVER, "b"), 1: (Action.HAND_OVER, "c"), 2: (Action.HAND_OVER, "c")}
+    assert heirs([]) == {0: (Action.HAND_OVER, "b"), 1: (Action.RELEASE, ""), 2: (Action.RELEASE, "")}
+    views[3] = owned(3, "c")  # b holds nothing now, c 3: b gets both
+    assert heirs(["c", "b"]) == {0: (Action.HAND_OVER, "b"), 1: (Action.HAND_OVER, "b"), 2: (Action.HAND_OVER, "b")}
+    views[4] = owned(4, "b")  # b 1, c 2: b first (2 then), then the tie goes to the name first alphabetically
+    assert heirs(["c", "b"]) == {0: (Action.HAND_OVER, "b"), 1: (Action.HAND_OVER, "b"), 2: (Action.HAND_OVER, "b")}
+
+
 def test_requesters_count_as_live_pods_only_on_unexpired_leases() -> None:
     views = [owned(0, "a", wanted_by="ghost", expired=True), owned(1, "a")]
     assert plan(views, "a", {1: 1}, LEASE_MS).pods == 1

@@ -450,7 +450,8 @@ class ShardLeases:
             return True  # a newer process of this pod name holds what this one held
         if read is None:
             return False
-        plan = planner.plan(read[0], self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE)
+        alive = [pod for pod, member in read[1].items() if member.alive]  # the heirs: pods alive now
+        plan = planner.plan(read[0], self.pod_id, self._holdings.epochs(), self.lease_ms, Mode.LEAVE, alive)
         for shard in self._holdings.shards():
             self._holdings.drop(shard, counted=shard in plan.lost)
         # The member document says this process left: a process restarted under the name takes it at once.
@@ -486,8 +487,7 @@ class ShardLeases:
         members = self._membership.members(read_us, versions, pods)  # each judged at its own read's time
         members.update(self._membership.members(more_us, more, named))
         members = {pod: members[pod] for pod in watched(raw, self.pod_id)}
-        # Light rounds watch the pods alive now: one of them no longer alive brings a full round.
-        self._membership.watched = {pod for pod, member in members.items() if member.alive}
+        self._membership.watched = {pod for pod, member in members.items() if member.alive}  # light rounds
         self._schedule_check(members)
         own = self._membership.own
         if own is not None:

@@ -38,7 +38,9 @@ Rules (KCL's lease taker and Kafka's cooperative rebalancing, adapted):
   (``owner`` = ``""``) what is still above the ceiling, and leases naming this pod that it neither
   holds nor takes.
 - **Draining** (SIGTERM, while the apps' in-flight messages drain): renew only, create, take and
-  ask nothing. **Leaving**: hand over or release every lease naming this pod, and withdraw its asks.
+  ask nothing. **Leaving**: hand every lease naming this pod over, to the pod asking for it, else to
+  the successor (another pod alive now) holding fewest, so each shard has a named owner at once;
+  release it only when there is none; and withdraw its asks.
 
 A held lease whose document shows another owner or epoch, or is missing or bad, is reported
 ``lost``. Invariants (property tested in tests/cluster/): every epoch a change of owner writes is
@@ -115,9 +117,11 @@ def plan(
     held: Mapping[int, int],
     lease_ms: int,
     mode: Mode = Mode.RUN,
+    successors: Sequence[str] = (),
 ) -> Plan:
     """The writes of one round. ``views``: every shard's lease from one read (bad documents
-    included: they are left alone); ``held``: shard -> epoch this pod holds now (within its safety
+    included: they are left alone); ``successors``: the other pods alive now, to whom a leaving pod
+    hands what nobody asks for; ``held``: shard -> epoch this pod holds now (within its safety
     margin, or being loaded)."""
     views = sorted((v for v in views if not v.problem), key=lambda v: v.shard)
     lost = frozenset(s for s, e in held.items() if not _names(_view_at(views, s), me, e))
@@ -126,8 +130,9 @@ def plan(
     writes: list[LeaseWrite] = []
     live = _live_pods(views, me)
     if mode is Mode.LEAVE:
+        heirs = _heirs(views, [pod for pod in successors if pod != me])
         for v in mine + [v for v in stray if not v.expired]:
-            writes.append(_give_up(v, lease_ms))
+            writes.append(_give_up(v, lease_ms, heirs))
         writes.extend(
             _write(v, Action.WITHDRAW, v.owner, v.epoch, v.beat, v.lease_ms, "")
             for v in views
@@ -233,11 +238,24 @@ def _create(v: LeaseView, lease_ms: int) -> LeaseWrite:
     return LeaseWrite(v.shard, Action.CREATE, "", v.next_epoch, 0, lease_ms, "", None)
 
 
-def _give_up(v: LeaseView, lease_ms: int) -> LeaseWrite:
-    """To the pod asking for it, else free."""
+def _give_up(v: LeaseView, lease_ms: int, heirs: dict[str, int] | None = None) -> LeaseWrite:
+    """To the pod asking for it, else (leaving) to the heir holding fewest, else free."""
     if v.wanted_by and v.wanted_by != v.owner:
         return _write(v, Action.HAND_OVER, v.wanted_by, v.next_epoch, v.beat + 1, lease_ms, "")
+    if heirs:
+        heir = min(heirs, key=lambda pod: (heirs[pod], pod))
+        heirs[heir] += 1
+        return _write(v, Action.HAND_OVER, heir, v.next_epoch, v.beat + 1, lease_ms, "")
     return _release(v, lease_ms)
+
+
+def _heirs(views: Sequence[LeaseView], successors: Sequence[str]) -> dict[str, int]:
+    """Each successor with the unexpired leases it owns now (a leaving pod's shards go to the fewest)."""
+    heirs = dict.fromkeys(successors, 0)
+    for v in views:
+        if v.exists and not v.expired and v.owner in heirs:
+            heirs[v.owner] += 1
+    return heirs
 
 
 def _release(v: LeaseView, lease_ms: int) -> LeaseWrite:
