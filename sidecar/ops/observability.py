@@ -2,7 +2,8 @@
 
 Counters and gauges are not kept twice: a custom collector reads them from the running
 subscriptions (engine status and ingest counters) at scrape time, so a scrape always agrees with
-GetStatus. Only the two latency histograms are observed as events happen. The snapshots, the
+GetStatus; the capacity gauges are what ``sidecar.ops.capacity`` made of the last second's sample
+(GetStatus reads the same). Only the two latency histograms are observed as events happen. The snapshots, the
 histograms' observations, the readiness checks and the liveness answer are made by
 ``sidecar.wiring.reporting``: this module knows nothing of the sidecar's layers.
 
