@@ -4,7 +4,8 @@ Every pod is a real ``pubsub-sidecar run`` with the peer channel on (a shared se
 peer port, advertised on 127.0.0.1) and its own app; the emulators' StreamingPull spreads messages
 over every pod, so most land on a pod that does not own their key and are forwarded. Every run
 checks, over all apps at once: per key in order, no confirmed message delivered again, nothing lost
-(``check_sequence_guarantees_across``), Pub/Sub left with nothing leased; and from each pod's
+(``check_sequence_guarantees_across``; per delivery, a confirmed one is the last of its position
+anywhere: ``check_confirmed_deliveries_are_final``), Pub/Sub left with nothing leased; and from each pod's
 ``/metrics`` that forwarding did (or did not) happen.
 
 - (h) the network between the pods and one owner is cut mid-run (``PeerLink``: its connections reset,
@@ -22,7 +23,7 @@ import time
 
 import pytest
 from conftest import Scenario
-from e2e_checks import check_sequence_guarantees_across
+from e2e_checks import check_confirmed_deliveries_are_final, check_sequence_guarantees_across
 from e2e_config import order_message
 from e2e_fleet import (
     PeeringFleet,
@@ -93,6 +94,7 @@ async def test_forwarding_survives_a_cut_peer_channel(scenario: Scenario) -> Non
         await async_wait_until(lambda: all_seen(apps, expected), "every message at some app", 120)
         await async_wait_drained(scenario.emulators, pods, sub.name, sub.subscription)
         check_sequence_guarantees_across(apps, expected)
+        check_confirmed_deliveries_are_final(apps)
         forwarded = [peer_counts(pod, "forwarded") for pod in pods]
         print(f"forwarded by answer, per pod: {forwarded}; probes: {probe}; link connections: {link.connections}")
         assert sum(counts.get("broken", 0) for counts in forwarded) > 0, "no stream seen broken by the cut"
@@ -136,6 +138,7 @@ async def test_more_pods_than_shards_the_idle_pod_stays_ready_and_forwards(scena
     assert 200 in answers and set(answers) <= {200, 0}, f"the idle pod {idle} answered /readyz {set(answers)}"
     assert pods[idle].returncode is None
     check_sequence_guarantees_across(apps, expected)
+    check_confirmed_deliveries_are_final(apps)
     forwarded = peer_counts(pods[idle], "forwarded")
     print(f"shards per pod: {owned}; the idle pod {idle} forwarded, by answer: {forwarded}")
     assert forwarded.get("accepted", 0) > 0, "the idle pod forwarded nothing"
@@ -153,6 +156,7 @@ async def test_one_pod_never_uses_the_peer_channel(scenario: Scenario) -> None:
     await async_wait_until(lambda: all_seen([app], expected), "every message at the app", 90)
     await async_wait_drained(scenario.emulators, [pod], sub.name, sub.subscription)
     check_sequence_guarantees_across([app], expected)
+    check_confirmed_deliveries_are_final([app])
     assert not any(peer_counts(pod, "forwarded").values()), peer_counts(pod, "forwarded")
     assert not any(peer_counts(pod, "answered").values()), peer_counts(pod, "answered")
     assert pod.metric("pubsub_sidecar_peer_unauthenticated_total") == 0

@@ -10,7 +10,7 @@ A raw gRPC client (the peer protocol's generated stub, nothing of the sidecar's 
   never delivered, and ``pubsub_sidecar_peer_unauthenticated_total`` counts both calls.
 
 After them, the key's order, no second delivery of a confirmed message and nothing lost are checked
-from what the app saw (``check_sequence_guarantees``).
+from what the app saw (``check_sequence_guarantees``, ``check_confirmed_deliveries_are_final``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import grpc
 import pytest
 from conftest import Scenario
-from e2e_checks import check_sequence_guarantees
+from e2e_checks import check_confirmed_deliveries_are_final, check_sequence_guarantees
 from e2e_config import order_message
 from e2e_fleet import PeeringFleet, all_seen, peer_counts
 from e2e_waits import async_wait_until
@@ -117,6 +117,7 @@ async def test_forged_peer_calls_are_refused(scenario: Scenario) -> None:
     await async_wait_until(lambda: all_seen([app], expected), "a#4, b#1..2 and end#1 at the app")
     await async_wait_until(lambda: len(app.confirmed_at) >= 7, "every ack confirmed")
     check_sequence_guarantees(app, expected)
+    check_confirmed_deliveries_are_final([app])
     deliveries = [(seen.key, seen.sequence) for seen in app.seen]
     assert deliveries.count(("a", 1)) == 1 and deliveries.count(("b", 1)) == 1, deliveries
     assert all(key != "c" for key, _ in deliveries), "a message of an unauthenticated call was delivered"

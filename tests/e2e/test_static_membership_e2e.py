@@ -9,7 +9,8 @@ pod name while the first lives (its own socket and peer port: another pod claimi
 refused: it exits non-zero with one line naming the pod, and the first keeps its shards.
 
 Every message is checked over both apps: per key in order, no confirmed message delivered again,
-nothing lost (``check_sequence_guarantees_across``).
+nothing lost (``check_sequence_guarantees_across``); a confirmed delivery is the last of its position
+(``check_confirmed_deliveries_are_final``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import pytest
 from conftest import Scenario
-from e2e_checks import check_sequence_guarantees_across
+from e2e_checks import check_confirmed_deliveries_are_final, check_sequence_guarantees_across
 from e2e_fleet import (
     PeeringFleet,
     PeerPod,
@@ -98,14 +99,10 @@ async def test_a_pod_restarted_under_its_name_takes_its_shards_back_at_once(scen
     await async_wait_until(lambda: all_seen(apps, expected), "every message after the restart", 120)
     await async_wait_drained(scenario.emulators, [pods[0], pods[1]], sub.name, sub.subscription)
     check_sequence_guarantees_across(apps, expected)
+    check_confirmed_deliveries_are_final(apps)
     assert pods[0].returncode is None and pods[1].returncode is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a process refused its pod name waits out its first round's settle timeout (one lease) and starts "
-    "ingest before it stops: ShardLeases.settled does not see run()'s MembershipRefused",
-)
 async def test_a_second_process_under_a_living_pod_name_stops_without_pulling(scenario: Scenario) -> None:
     scenario.add_subscription("orders", sharding={"shards": SHARDS, "lease_duration": f"{LEASE_SECONDS:g}s"})
     fleet = PeeringFleet(scenario)
