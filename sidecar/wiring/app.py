@@ -261,6 +261,8 @@ class Sidecar:
                 # a few messages stored for their owner, which is this pod, through the inbox).
                 lease_seconds = s.config.sharding.lease_duration_ms / 1000
                 if not await s.leases.settled(timeout_seconds=lease_seconds):
+                    if s.leases.failure is not None:
+                        break  # e.g. its pod name refused: the leases' watcher stops the sidecar, nothing pulled
                     _LOGGER.info("subscription %s: ingest starts before the first shards are loaded", name)
             if s.runtime.failure is not None and s.runtime.task is not None:
                 # It failed while its first shards loaded (a document it cannot read): that cause,

@@ -134,6 +134,25 @@ async def test_a_second_process_under_a_living_pod_name_is_refused_and_the_first
             await first.stop()
 
 
+async def test_a_refused_process_is_not_settled_and_says_why_at_once() -> None:
+    """The start waits on ``settled`` before it pulls: a refused pod name must end that wait at once
+    (False, ``failure`` naming the refusal), not after its bound, so that nothing is pulled."""
+    clock, documents = _frozen()
+    async with _listening() as address:
+        first = _member(documents, clock, "pod-a", address=address)
+        first.start()
+        try:
+            await wait_until(lambda: len(first.leases.owned()) == SHARDS, "the first process holds every shard")
+            second = _member(documents, clock, "pod-a", address="127.0.0.1:1")
+            second.start()
+            assert await asyncio.wait_for(second.leases.settled(), 10) is False
+            assert isinstance(second.leases.failure, MembershipRefused)
+            assert second.task is not None and second.task.done()
+            second.task = None  # its failure was read above
+        finally:
+            await first.stop()
+
+
 async def test_without_an_address_a_restarted_process_waits_until_the_member_document_expires() -> None:
     """Nothing to ask whether the earlier process lives: only time tells (one lease at most)."""
     clock, documents = _frozen()

@@ -41,20 +41,12 @@ Safety, and which clock serves what:
   (``fence()``), which Firestore checks in the store's transactions: that, not the margin, is what
   makes a zombie harmless.
 
-Bad lease documents (``sidecar.cluster.leases.layout``: corrupt, a newer layout, another S beside documents
-of this S) stop their own shard only: never taken nor written, dropped if held, one ERROR line
-naming the document when a round first sees the problem (and one INFO line when it is gone), and
-listed by ``blocked()`` (counted in ``LeaseStats.blocked``) while it lasts; every other shard goes
-on. Only lease documents that all name another S than this pod's stop ``run()``
-(``LeaseLayoutError``): then it is this pod's configuration that is wrong.
-
-Callbacks: ``on_gained(shard, epoch)`` is awaited (in its own task, renewals go on meanwhile)
-before the shard counts as held; ``on_lost(shard, epoch)`` is called exactly once for every
-``on_gained`` started, when the shard is lost (another owner or epoch seen, the margin passed, the
-store refused a fenced write) or given up (after ``before_release`` and before the hand-over is
-written), and only after ``on_gained`` returned or was cancelled. An exception from ``on_gained``
-ends ``run()`` with it. ``Holdings`` keeps these rules; this module decides when a shard is taken,
-renewed, lost or given up.
+Bad lease documents (``layout``: corrupt, a newer layout, another S beside documents of this S)
+stop their own shard only: never taken nor written, dropped if held, logged once
+(``layout.note_problems``) and listed by ``blocked()`` while it lasts. Only lease documents that
+all name another S than this pod's stop ``run()`` (``LeaseLayoutError``): this pod's configuration
+is wrong. Callbacks (``on_gained`` awaited before a shard counts as held, ``on_lost`` exactly once
+after it) are ``Holdings``' rules; this module decides when a shard is taken, renewed, lost or given up.
 """
 
 from __future__ import annotations
@@ -112,11 +104,10 @@ _CONFLICT_DELAY_SHARE = 0.1
 """Of a round's period: the random wait before the round that follows a lost race, so pods racing
 for the same leases spread out instead of colliding again."""
 
-_LEAVE_ATTEMPTS = 3
-"""Rounds ``release_all`` tries before it leaves what remains to expire."""
+_LEAVE_ATTEMPTS = 3  # rounds ``release_all`` tries before it leaves what remains to expire
 
 _SETTLED_POLL_SECONDS = 0.02
-"""How often ``settled`` looks: start-up waits on it once, so a poll costs nothing that matters."""
+"""How often ``settled`` looks (start-up waits on it once: a poll costs nothing that matters)."""
 
 
 def _monotonic_ms() -> int:
@@ -207,6 +198,7 @@ class ShardLeases:
         self._held_after_full: set[int] = set()
         """The shards held when the last full round ended: a light round that finds fewer runs a full one."""
         self._light_rounds = 0
+        self._run_failure: BaseException | None = None
         self._raw: dict[int, LeaseView] = {}
         """The lease documents as the last full round read them (before ``liveness.judged``)."""
 
@@ -216,7 +208,20 @@ class ShardLeases:
         """Rounds until cancelled; after ``release_all`` it only waits to be cancelled.
 
         Raises ``LeaseLayoutError`` when the lease documents name another shard count than this
-        pod's, and whatever ``on_gained`` raised. A bad document stops its shard only (``blocked``)."""
+        pod's, ``MembershipRefused``/``Superseded`` (``members``), and whatever ``on_gained`` raised,
+        kept as ``failure`` too. A bad document stops its shard only (``blocked``)."""
+        try:
+            await self._rounds()
+        except Exception as exc:
+            self._run_failure = exc  # ``settled`` answers False at once: the start must not go on
+            raise
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended ``run()``, or the first failed ``on_gained``; None while all is well."""
+        return self._run_failure or self._holdings.failure
+
+    async def _rounds(self) -> None:
         if self._membership.incarnation is None:
             await self._membership.join()
         while True:
@@ -246,28 +251,23 @@ class ShardLeases:
 
     async def settled(self, timeout_seconds: float | None = None) -> bool:
         """Wait until the first round has completed and every shard it took is loaded (or lost
-        meanwhile); False on timeout (``None``: no bound) or when the manager failed.
-
-        Shards taken by later rounds are not waited for: the first round is what this pod can take
-        at once at start-up, and a pod that got no lease (others hold them all) is settled as soon
-        as that round is done. Readiness waits for this (a stuck load is caught by liveness
-        instead); ingest waits for it, bounded, so that a lone pod does not store its first
-        messages for an owner (itself) it has not become yet."""
+        meanwhile); False on timeout (``None``: no bound) or at once when the manager failed (a
+        refused pod name, another S: ``failure``). Later rounds' shards are not waited for; a pod
+        that got no lease is settled once that round is done. Readiness waits for this; ingest too,
+        bounded, so that a lone pod does not store its first messages for an owner (itself) it has
+        not become yet."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_seconds is None else loop.time() + timeout_seconds
         while not self._first_round_loaded():
-            if (deadline is not None and loop.time() >= deadline) or self._holdings.failure is not None:
+            if (deadline is not None and loop.time() >= deadline) or self.failure is not None:
                 return False
             await asyncio.sleep(_SETTLED_POLL_SECONDS)
-        return self._holdings.failure is None
+        return self.failure is None
 
     def _first_round_loaded(self) -> bool:
-        if self._first_round is None:
-            return False
-        for shard, holding in self._first_round.items():
-            if self._holdings.get(shard) is holding and not holding.ready:
-                return False  # still loading (a shard lost or re-taken since is not waited for)
-        return True
+        """Every shard the first round took is loaded (one lost or re-taken since is not waited for)."""
+        first = self._first_round
+        return first is not None and all(self._holdings.get(s) is not h or h.ready for s, h in first.items())
 
     def poke(self) -> None:
         """Run a full round now (a lease document changed)."""
