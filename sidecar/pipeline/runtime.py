@@ -328,6 +328,14 @@ class SubscriptionRuntime:
         Retried while the store is unavailable; raises StoreError on a permanent error."""
         await self._shards.adopt(shard, epoch)
 
+    def handed_attempts(self, shard: int) -> str:
+        """The delivery attempts of ``shard``'s dropped engine, for the lease write giving it up."""
+        return self._ctx.engines.handed_attempts(shard)
+
+    def inherit_attempts(self, shard: int, encoded: str) -> None:
+        """Keep the delivery attempts the shard's previous owner recorded (before its load)."""
+        self._ctx.engines.inherit_attempts(shard, encoded)
+
     def drop_shard(self, shard: int, epoch: int | None = None) -> bool:
         """Stop delivering ``shard`` at once (lost, or handed over); ``epoch``: only if the engine is
         still that epoch's. Returns whether an engine was dropped."""

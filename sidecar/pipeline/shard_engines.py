@@ -22,14 +22,22 @@ Delivery attempts outlive an engine in the same process: when a shard is dropped
 engine made of messages still pending are kept (``attempts``, the ``ATTEMPTS_KEPT`` latest), and a
 message of that shard given to a later engine (the shard taken back after a lease lost in a
 Firestore outage: its pages, a Pub/Sub redelivery) carries them (``with_prior``), so that its next
-delivery is attempt N+1, not 1. Kept in memory only: nothing is written to Firestore for it, so a
-message delivered by another pod, or after a restart, starts again at attempt 1.
+delivery is attempt N+1, not 1.
+
+They also go to the next owner of a shard given up gracefully (SIGTERM, balancing): the dropped
+engine's attempts are encoded per shard (``handed_attempts``: the most attempted first, at most
+``HANDED_ATTEMPTS_CHARS`` characters, far below Firestore's 1 MiB document) and written in the
+lease document the hand-over writes anyway; the pod that takes the lease reads that document anyway
+and keeps them (``inherit_attempts``) before the shard's load, whose messages then carry them. A
+crash records nothing (that would cost a write per delivery): a message delivered by a pod that
+died, or by a restarted process, starts again at attempt 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -39,6 +47,10 @@ from sidecar.engine.types import Deliver, EngineStatus, KeyStatus, Message
 
 ATTEMPTS_KEPT = 100_000
 """Delivery attempts kept of dropped engines' pending messages (a few MB at most)."""
+
+HANDED_ATTEMPTS_CHARS = 100_000
+"""At most this much of a shard's attempts goes in its lease document at a hand-over (a tenth of
+Firestore's 1 MiB document; every pod reads the lease documents on a full round)."""
 
 
 @dataclass(slots=True)
@@ -87,6 +99,9 @@ class ShardEngines:
         """The counts of the engines removed so far (shards lost or handed over), summed."""
         self.attempts: dict[object, int] = {}
         """Delivery attempts of pending messages of removed engines, by identity (module docstring)."""
+        self._handed: dict[int, dict[object, int]] = {}
+        """Shard -> the attempts of its last removed engine, for its hand-over's lease write (no more
+        than its engine held)."""
 
     def engine_prefix(self, shard: int, epoch: int) -> str:
         return f"{self.id_prefix}{shard}.{epoch}-"
@@ -95,6 +110,7 @@ class ShardEngines:
         if shard in self._by_shard:
             raise ValueError(f"shard {shard} already has an engine (epoch {self._by_shard[shard].epoch})")
         entry = ShardEngine(shard, epoch, engine, held_bytes)
+        self._handed.pop(shard, None)
         self._by_shard[shard] = entry
         self._by_prefix[self.engine_prefix(shard, epoch)] = entry
         return entry
@@ -106,11 +122,27 @@ class ShardEngines:
             retired = self.retired
             for name, value in entry.engine.status(0, max_keys=0)[0].counts.items():
                 retired[name] = retired.get(name, 0) + value
-            attempts = self.attempts
-            attempts.update(entry.engine.delivery_attempts())
-            for stale in list(itertools.islice(attempts, max(0, len(attempts) - ATTEMPTS_KEPT))):
-                del attempts[stale]  # the oldest first: a dict keeps insertion order
+            made = entry.engine.delivery_attempts()
+            self._keep(made)
+            self._handed[shard] = made
         return entry
+
+    def _keep(self, made: dict[object, int]) -> None:
+        attempts = self.attempts
+        for ident, count in made.items():
+            attempts[ident] = max(count, attempts.pop(ident, 0))
+        for stale in list(itertools.islice(attempts, max(0, len(attempts) - ATTEMPTS_KEPT))):
+            del attempts[stale]  # the oldest first: a dict keeps insertion order
+
+    def handed_attempts(self, shard: int) -> str:
+        """The attempts of ``shard``'s removed engine, for the lease write that gives the shard up
+        (``""``: none; the same on a retried write, until the shard is taken again)."""
+        made = self._handed.get(shard)
+        return encode_attempts(made) if made else ""
+
+    def inherit_attempts(self, shard: int, encoded: str) -> None:
+        """Keep the attempts another pod recorded when it gave ``shard`` up (before its load)."""
+        self._keep(decode_attempts(encoded))
 
     def with_prior(self, message: Message) -> Message:
         """``message`` carrying the attempts an earlier engine of this process made of it, if any."""
@@ -199,6 +231,48 @@ class ShardEngines:
         )
         keys = sorted((k for _, detail in statuses for k in detail), key=_waited_since)
         return total, keys[:max_keys]
+
+
+def encode_attempts(made: dict[object, int]) -> str:
+    """``made`` (identity -> attempts) as JSON, the most attempted first, cut to
+    ``HANDED_ATTEMPTS_CHARS``: ``[["s", key, sequence, n] | ["d", dedup_id, n] | ["r", replay_id, n], ...]``."""
+    rows: list[str] = []
+    size = 2
+    for ident, count in sorted(made.items(), key=lambda item: -item[1]):
+        row: list[object]
+        if isinstance(ident, str):
+            row = ["d", ident, count]
+        elif isinstance(ident, tuple) and len(ident) == 2 and ident[0] == "replay" and isinstance(ident[1], str):
+            row = ["r", ident[1], count]
+        elif isinstance(ident, tuple) and len(ident) == 2 and isinstance(ident[1], int):
+            row = ["s", ident[0], ident[1], count]
+        else:
+            continue
+        text = json.dumps(row, separators=(",", ":"))
+        size += len(text) + 1
+        if size > HANDED_ATTEMPTS_CHARS:
+            break
+        rows.append(text)
+    return f"[{','.join(rows)}]" if rows else ""
+
+
+def decode_attempts(encoded: str) -> dict[object, int]:
+    """``encode_attempts`` read back; what cannot be read is left out (it only numbers attempts)."""
+    try:
+        rows = json.loads(encoded)
+    except ValueError:
+        return {}
+    made: dict[object, int] = {}
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, list) or not row or not isinstance(count := row[-1], int) or count < 1:
+            continue
+        if row[0] == "d" and len(row) == 3 and isinstance(row[1], str):
+            made[row[1]] = count
+        elif row[0] == "r" and len(row) == 3 and isinstance(row[1], str):
+            made[("replay", row[1])] = count
+        elif row[0] == "s" and len(row) == 4 and isinstance(row[1], str) and isinstance(row[2], int):
+            made[(row[1], row[2])] = count
+    return made
 
 
 def _waited_since(key: KeyStatus) -> float:

@@ -90,6 +90,7 @@ def assemble_subscription(
         on_lost=ownership.on_lost,
         before_release=ownership.before_release,
         address=peer_address,  # in this pod's member document: the forwarders' target, the restart's probe
+        attempts=runtime,  # delivery attempts recorded in a hand-over's lease write, kept by the next owner
     )
     runtime.pod = pod
     runtime.lease_check = leases.holds

@@ -13,6 +13,10 @@ One document per shard, ``{sub_path}/leases/{shard:04d}``, created on first use,
   repeats: ``LeaseView.next_epoch``), ``beat`` (int, +1 on every renewal, so a renewal always
   changes the document and its ``update_time``), ``lease_ms`` (int, the owner's lease duration),
   ``wanted_by`` (str, a pod asking for the shard, ``""`` when none).
+- ``attempts`` (str, optional): written only by a hand-over or release, opaque here: the delivery
+  attempts the giving pod made of the shard's pending messages, for the next owner
+  (``sidecar.pipeline.shard_engines``). Any other write leaves it out; a reader that does not know
+  it ignores it, and one that cannot read it ignores it too (it only numbers attempts).
 
 Expiry is judged on the database's clock only: ``read_time - update_time > lease_ms`` (both from
 one read), so a pod's wall clock never matters. ``LeaseView.expired`` is the lease document's own;
@@ -79,6 +83,8 @@ class LeaseView:
     """Why this pod must not read the document as a lease (one line naming it); ``""`` when it may."""
     other_shard_count: int | None = None
     """The S the document names when that is its problem (``shard_count_refusal``)."""
+    attempts: str = ""
+    """What the last hand-over or release recorded of the shard's delivery attempts (module docstring)."""
 
     @property
     def is_free(self) -> bool:
@@ -95,8 +101,10 @@ def lease_path(sub_path: str, shard: int) -> str:
     return f"{sub_path}/leases/{shard:04d}"
 
 
-def lease_fields(shard_count: int, owner: str, epoch: int, beat: int, lease_ms: int, wanted_by: str) -> dict[str, Any]:
-    return {
+def lease_fields(
+    shard_count: int, owner: str, epoch: int, beat: int, lease_ms: int, wanted_by: str, attempts: str = ""
+) -> dict[str, Any]:
+    fields: dict[str, Any] = {
         "v": LEASE_LAYOUT_VERSION,
         "shards": shard_count,
         "owner": owner,
@@ -105,6 +113,9 @@ def lease_fields(shard_count: int, owner: str, epoch: int, beat: int, lease_ms: 
         "lease_ms": lease_ms,
         "wanted_by": wanted_by,
     }
+    if attempts:
+        fields["attempts"] = attempts
+    return fields
 
 
 def read_lease(path: str, shard: int, shard_count: int, read_us: int, version: docs.Versioned) -> LeaseView:
@@ -139,6 +150,7 @@ def read_lease(path: str, shard: int, shard_count: int, read_us: int, version: d
         expired=read_us - version.update_time_us > lease_ms * 1000,
         update_time_us=version.update_time_us,
         read_us=read_us,
+        attempts=attempts if isinstance(attempts := fields.get("attempts"), str) else "",
     )
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 
@@ -66,7 +65,7 @@ from sidecar.cluster.leases.liveness import first_expiry_us, judged, lapses, wat
 from sidecar.cluster.leases.members import MemberView, Superseded, answers
 from sidecar.cluster.leases.membership import Lapsed, Membership, Route
 from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite, Mode
-from sidecar.cluster.leases.writes import LeaseStats, LeaseWriter
+from sidecar.cluster.leases.writes import NO_ATTEMPTS, Attempts, LeaseStats, LeaseWriter
 from sidecar.shards import MAX_SHARDS
 from sidecar.store import documents as docs
 from sidecar.store.api import ShardLost, StoreUnavailable
@@ -131,6 +130,7 @@ class ShardLeases:
         before_release: Callable[[int], Awaitable[None]],
         address: str = "",
         probe: Callable[[str], Awaitable[bool]] = answers,
+        attempts: Attempts = NO_ATTEMPTS,
     ) -> None:
         if not isinstance(shard_count, int) or isinstance(shard_count, bool) or not 1 <= shard_count <= MAX_SHARDS:
             raise ValueError(f"sharding.shards: must be an integer from 1 to {MAX_SHARDS}, got {shard_count!r}")
@@ -168,7 +168,6 @@ class ShardLeases:
         self._left = False
         self._lock = asyncio.Lock()
         self._poked = asyncio.Event()
-        self._random = random.Random()
         self._first_round: dict[int, Holding] | None = None
         """The shards held after the first completed round (``settled`` waits for their loads)."""
         self._soon = 0
@@ -188,6 +187,7 @@ class ShardLeases:
             margin_ms=self._margin_ms,
             monotonic_ms=monotonic_ms,
             running=lambda: self._mode is Mode.RUN,
+            attempts=attempts,
         )
         self._views: list[LeaseView] = []
         """The lease documents as the last full round judged them (``route``)."""

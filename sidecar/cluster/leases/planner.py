@@ -94,6 +94,8 @@ class LeaseWrite:
     wanted_by: str
     update_time_us: int | None
     """The precondition: the version read; None creates the document (it was missing)."""
+    attempts: str = ""
+    """A take: the delivery attempts the document read holds (``layout``), for this pod once it applies."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,4 +268,5 @@ def _write(
     v: LeaseView, action: Action, owner: str, epoch: int, beat: int, lease_ms: int, wanted_by: str
 ) -> LeaseWrite:
     assert v.exists and v.update_time_us is not None, "only a create writes without a version"
-    return LeaseWrite(v.shard, action, owner, epoch, beat, lease_ms, wanted_by, v.update_time_us)
+    attempts = v.attempts if action is Action.ACQUIRE else ""
+    return LeaseWrite(v.shard, action, owner, epoch, beat, lease_ms, wanted_by, v.update_time_us, attempts)

@@ -12,6 +12,11 @@ Rules:
   asks for the next round soon; a write that failed otherwise is logged and retried by the next
   round; an ambiguous failure (``Unavailable``) is read back by the next round (a take that did
   apply shows this pod as owner but not holding it, and is taken again at a new epoch).
+- **Delivery attempts go with a shard given up.** A hand-over or release records what
+  ``Attempts.handed_attempts`` gives for its shard (the attempts this pod made of the shard's
+  pending messages) in the lease document it writes anyway; a take that applied hands what the
+  document read held (``LeaseWrite.attempts``) to ``Attempts.inherit_attempts`` before the shard's
+  load begins. No write of its own: no operation is billed for them.
 - **A take that lapses an owner** applies whole or not at all: the lapse is a compare-and-set on
   the member document's version read, so the owner's late beat and the take exclude each other.
 """
@@ -21,18 +26,43 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 from sidecar.cluster.leases.holdings import Holdings
 from sidecar.cluster.leases.layout import lease_fields, lease_path
 from sidecar.cluster.leases.liveness import lapse_write
 from sidecar.cluster.leases.members import MemberView
 from sidecar.cluster.leases.membership import Membership
-from sidecar.cluster.leases.planner import Action, LeaseWrite
+from sidecar.cluster.leases.planner import GIVING_UP, Action, LeaseWrite
 from sidecar.store import documents as docs
 from sidecar.store.api import StoreUnavailable
 
 _LOGGER = logging.getLogger("sidecar.cluster.leases.manager")
 """The manager's logger: the round's writes are what it reports."""
+
+
+class Attempts(Protocol):
+    """Delivery attempts of a shard's pending messages, opaque here (``layout``: ``attempts``)."""
+
+    def handed_attempts(self, shard: int) -> str:
+        """What to record in the lease write giving ``shard`` up (``""``: nothing)."""
+        ...
+
+    def inherit_attempts(self, shard: int, encoded: str) -> None:
+        """What a giving pod recorded, for the shard just taken (before its load)."""
+        ...
+
+
+class _NoAttempts:
+    def handed_attempts(self, shard: int) -> str:
+        return ""
+
+    def inherit_attempts(self, shard: int, encoded: str) -> None:
+        pass
+
+
+NO_ATTEMPTS: Attempts = _NoAttempts()
+"""Nothing recorded, nothing kept (a lease manager without a runtime: tests, tools)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +106,7 @@ class LeaseWriter:
         margin_ms: int,
         monotonic_ms: Callable[[], int],
         running: Callable[[], bool],
+        attempts: Attempts = NO_ATTEMPTS,
     ) -> None:
         self._documents = documents
         self._sub_path = sub_path
@@ -88,6 +119,7 @@ class LeaseWriter:
         self._monotonic_ms = monotonic_ms
         self._running = running
         """False once draining began: a take that applies then is left as a stray (released later)."""
+        self._attempts = attempts
 
     async def send(self, writes: Sequence[LeaseWrite], member: docs.Write | None = None) -> bool:
         """Write ``writes`` and ``member`` (this pod's member document) in one BatchWrite; True when
@@ -140,7 +172,8 @@ class LeaseWriter:
         return conflict
 
     def _lease_write(self, w: LeaseWrite) -> docs.Write:
-        fields = lease_fields(self._shard_count, w.owner, w.epoch, w.beat, w.lease_ms, w.wanted_by)
+        attempts = self._attempts.handed_attempts(w.shard) if w.action in GIVING_UP else ""
+        fields = lease_fields(self._shard_count, w.owner, w.epoch, w.beat, w.lease_ms, w.wanted_by, attempts)
         return docs.compare_and_set(lease_path(self._sub_path, w.shard), fields, w.update_time_us)
 
     def _beat_applied(self, sent_ms: int) -> None:
@@ -160,6 +193,8 @@ class LeaseWriter:
             if not self._running() or write.shard in self._holdings:
                 return  # draining began meanwhile: the stray is released by the next round
             self._stats.takes += 1
+            if write.attempts:
+                self._attempts.inherit_attempts(write.shard, write.attempts)
             self._holdings.take(write.shard, write.epoch, deadline_ms)
         elif write.action is Action.CREATE:
             self._stats.creates += 1
