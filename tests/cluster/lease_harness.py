@@ -13,6 +13,7 @@ from collections.abc import Callable
 from sidecar.cluster.leases import ShardLeases
 from sidecar.cluster.leases.manager import _monotonic_ms
 from sidecar.cluster.leases.planner import fair_share
+from sidecar.cluster.leases.writes import NO_ATTEMPTS, Attempts
 from sidecar.store import documents as docs
 from sidecar.wiring.subscription import _listen_leases
 
@@ -31,6 +32,7 @@ class Member:
         lease_ms: int,
         monotonic_ms: Callable[[], int] = _monotonic_ms,
         address: str = "",
+        attempts: Attempts = NO_ATTEMPTS,
     ) -> None:
         self.name = name
         self.documents = documents
@@ -47,6 +49,7 @@ class Member:
             on_lost=self._lost,
             before_release=self._before_release,
             address=address,
+            attempts=attempts,
         )
         self.task: asyncio.Task[None] | None = None
         self.listen: docs.Listening | None = None
