@@ -24,7 +24,7 @@ Invariants kept for every key (G2/G3/G5, checked by the property tests in tests/
    asking for it) the message is dead-lettered; the key then waits for ``dead_letter_done`` and
    follows ``on_dead_letter``. Consumer closes give messages back without counting as failures,
    but the next ``attempt`` number still counts every earlier delivery, and those an earlier
-   engine of the process made before its shard was taken back (``Message.prior_attempts``).
+   engine made before its shard was dropped (``Message.prior_attempts``).
 6. Replays (``Message.replay_id``, an operator's ``dead-letters replay``) never reorder anything
    else. A replay at the position its key is blocked at takes the dead letter's place and is the
    key's next message (its durable ack moves the key on); one at a position the key has not reached

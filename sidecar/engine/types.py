@@ -78,9 +78,9 @@ class Message:
     """The fingerprint when it is known (read from the store, or computed once); None: computed
     from the payload when first asked for (``fingerprint``)."""
     prior_attempts: int = field(default=0, compare=False)
-    """Deliveries to the app an earlier engine of this process made (its shard was dropped, then
-    taken back: a lease lost in a Firestore outage): attempt numbers, and ``max_delivery_attempts``,
-    go on from there."""
+    """Deliveries to the app an earlier engine made (its shard was dropped, then taken back by this
+    process, or handed over by another pod): attempt numbers, and ``max_delivery_attempts``, go on
+    from there."""
 
     @property
     def fingerprint(self) -> bytes:
