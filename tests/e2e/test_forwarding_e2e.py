@@ -61,14 +61,16 @@ async def test_forwarding_survives_a_cut_peer_channel(scenario: Scenario) -> Non
         )
 
         # 2. Cut: the senders' streams to pod 1 end with UNAVAILABLE and their messages are stored.
+        # Only what the senders log after the cut counts: a stream may also end while pods start.
+        logged_before_cut = {index: len(pods[index].log_records()) for index in (0, 2)}
         await link.cut()
         await scenario.pubsub.publish_all(sub.topic, phases[1])
 
         def unavailable_seen() -> bool:
             return any(
                 "UNAVAILABLE" in str(record.get("message", "")) and f"127.0.0.1:{link.port}" in str(record)
-                for pod in (pods[0], pods[2])
-                for record in pod.log_records()
+                for index, already in logged_before_cut.items()
+                for record in pods[index].log_records()[already:]
             )
 
         await async_wait_until(unavailable_seen, "a sender to see UNAVAILABLE on the channel to pod 1")
@@ -97,7 +99,8 @@ async def test_forwarding_survives_a_cut_peer_channel(scenario: Scenario) -> Non
         check_confirmed_deliveries_are_final(apps)
         forwarded = [peer_counts(pod, "forwarded") for pod in pods]
         print(f"forwarded by answer, per pod: {forwarded}; probes: {probe}; link connections: {link.connections}")
-        assert sum(counts.get("broken", 0) for counts in forwarded) > 0, "no stream seen broken by the cut"
+        # How many messages a broken stream left unanswered depends on what was in flight at the cut
+        # (none, when it fell between batches): the senders' UNAVAILABLE after the cut is the check.
         assert all(counts.get("accepted", 0) > 0 for counts in forwarded), forwarded
         assert all(pod.returncode is None for pod in pods)
     finally:
