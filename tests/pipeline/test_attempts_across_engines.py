@@ -3,23 +3,12 @@ same process (a lease lost in a Firestore outage, issue 31): kept in memory, not
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_runtime_shards import World, keys_of_shard
 
 from sidecar.engine import Engine
 from sidecar.engine.types import DeadLetter, EngineConfig, Message
-
-
-@pytest.fixture
-async def world() -> World:
-    w = World()
-    await w.runtime.recover()
-    await w.runtime.loaded()
-    await w.runtime.start()
-    yield w  # type: ignore[misc]
-    await w.runtime.stop(grace_seconds=0.5)
 
 
 async def test_a_shard_taken_back_goes_on_counting_the_attempts_of_its_pending_messages(world: World) -> None:

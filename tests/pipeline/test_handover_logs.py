@@ -10,16 +10,6 @@ from test_runtime_shards import World
 _RUNTIME_LOGGER = "sidecar.pipeline.runtime_shards"
 
 
-@pytest.fixture
-async def world() -> World:
-    w = World()
-    await w.runtime.recover()
-    await w.runtime.loaded()
-    await w.runtime.start()
-    yield w  # type: ignore[misc]
-    await w.runtime.stop(grace_seconds=0.5)
-
-
 async def test_a_drained_shard_handed_over_is_logged_at_info(world: World, caplog: pytest.LogCaptureFixture) -> None:
     world.hold(0, 3)
     await world.runtime.adopt_shard(0, 3)
