@@ -16,7 +16,7 @@ Rules:
 - The peer protocol between pods (``proto/sidecar/peering/proto/peer.proto``, internal: docs/forwarding.md)
   is generated the same way into the server's own package ``sidecar/peering/proto/`` (its path mirrors
   that package for the same reason), owned wholesale by this script too (its ``__init__.py`` included);
-  tests/peering/test_peer_proto_fresh.py checks it with ``stale_peer_files``.
+  tests/test_proto_fresh.py checks it with ``stale_peer_files``.
 """
 
 from __future__ import annotations

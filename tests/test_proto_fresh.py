@@ -1,5 +1,6 @@
-"""The committed generated package ``clients/python/src/pubsub_sidecar/`` matches what `make proto` makes
-from ``proto/``.
+"""The committed generated packages match what `make proto` makes from ``proto/``: the app-facing API's
+``clients/python/src/pubsub_sidecar/``, and the peer channel's ``sidecar/peering/proto/`` (whose service
+also keeps the names both ends rely on).
 
 Fails when someone edits the .proto without running `make proto`, or edits generated code by hand.
 """
@@ -72,3 +73,30 @@ def test_generated_service_has_the_contract_names() -> None:
         ("delivery_attempt", 10), ("late", 11), ("skipped", 12), ("epoch", 13), ("replayed", 14),
         ("traceparent", 15),
     ]  # fmt: skip
+
+
+def test_committed_peer_code_matches_its_proto() -> None:
+    problems = _load_gen_proto().stale_peer_files()
+    assert problems == [], "generated peer code is stale:\n" + "\n".join(problems)
+
+
+def test_check_detects_a_hand_edited_peer_file(tmp_path: Path) -> None:
+    gen_proto = _load_gen_proto()
+    gen_proto.generate_peer(tmp_path)
+    stub = tmp_path / gen_proto.PEER_PACKAGE / "peer_pb2_grpc.py"
+    stub.write_text(stub.read_text() + "# edited by hand\n")
+    problems = gen_proto.stale_peer_files(tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["sidecar/peering/proto/peer_pb2_grpc.py"]
+
+
+def test_peer_service_has_the_names_both_ends_use() -> None:
+    from sidecar.peering.proto import peer_pb2
+
+    service = peer_pb2.DESCRIPTOR.services_by_name["PeerIntake"]
+    assert service.full_name == "pubsub_sidecar.peer.v1.PeerIntake"
+    assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
+        "Forward": ("ForwardRequest", "ForwardResponse")
+    }
+    assert {v.name for v in peer_pb2.Outcome.Reason.DESCRIPTOR.values} >= {
+        "NOT_OWNER", "STALE_EPOCH", "OVERLOADED", "STOPPING", "FAILED",
+    }  # fmt: skip
