@@ -30,9 +30,9 @@ from pubsub_sidecar_client import Message
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 
+import test_order_story_e2e
 from e2e_app import App
-from e2e_google import PubSub
-from e2e_processes import EmulatorsProcess, SidecarProcess
+from e2e_processes import SidecarProcess
 from e2e_waits import async_wait_until
 from test_order_story_e2e import Story, until
 
@@ -45,6 +45,9 @@ CHECKOUT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CHECKOUT_TRACE_ID}-{CHECKOUT_SPAN_ID}-01"
 TRACESTATE = "checkout=web-7"
 
+story = test_order_story_e2e.story
+"""The order story's fixture: its emulators and processes, closed after the test."""
+
 
 @pytest.fixture
 async def receiver() -> AsyncIterator[OtlpReceiver]:
@@ -53,20 +56,6 @@ async def receiver() -> AsyncIterator[OtlpReceiver]:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-async def story() -> AsyncIterator[Story]:
-    emulators = EmulatorsProcess(metric_period=60.0, metric_delay=120.0)
-    emulators.start()
-    pubsub = PubSub(emulators.env)
-    built = Story(emulators, pubsub)
-    try:
-        yield built
-    finally:
-        await built.close()
-        pubsub.close()
-        emulators.stop()
 
 
 def traced(process: SidecarProcess, receiver: OtlpReceiver) -> SidecarProcess:
