@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e_processes import START_TIMEOUT_SECONDS, OutputPump
+from npm_install import npm_ci
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"
 
@@ -25,18 +26,8 @@ NODE_MISSING = (
 
 
 def install() -> None:
-    """``npm ci`` from the lockfile; install scripts are not needed by @grpc/grpc-js or proto-loader."""
-    npm = shutil.which("npm")
-    assert npm is not None, "`node` is installed but `npm` is not: install npm to run the Node.js example"
-    result = subprocess.run(
-        [npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--prefer-offline"],
-        cwd=EXAMPLE_DIR,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, f"npm ci failed in {EXAMPLE_DIR}:\n{result.stdout}\n{result.stderr}"
+    """``npm ci`` of examples/node/ from its lockfile."""
+    npm_ci(EXAMPLE_DIR)
 
 
 class NodeApp:

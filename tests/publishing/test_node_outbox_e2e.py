@@ -8,10 +8,10 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from npm_install import npm_ci
 from test_relay_emulators import Pods, Received, make_topic, relay_config, running, until
 
 from sidecar.emulators.stack import EmulatorStack
@@ -24,17 +24,8 @@ pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason=NODE_MISSIN
 
 @pytest.fixture(scope="module")
 def installed() -> None:
-    """``npm ci`` from the committed lockfile, once per module (no install scripts are needed)."""
-    npm = shutil.which("npm")
-    assert npm is not None, "`node` is installed but `npm` is not: install npm to run the Node.js example"
-    result = subprocess.run(
-        [npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--prefer-offline"],
-        cwd=EXAMPLE_DIR,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"npm ci failed in {EXAMPLE_DIR}:\n{result.stdout}\n{result.stderr}"
+    """``npm ci`` from the committed lockfile, once per module."""
+    npm_ci(EXAMPLE_DIR)
 
 
 async def test_the_node_app_writes_entries_the_relay_publishes_in_order(
