@@ -49,7 +49,10 @@ async def test_a_forwarded_in_order_message_is_delivered_by_the_owner_and_acked_
     assert sender.counters.forwarded == 1 and sender.counters.stored_for_owner == 0
     assert owner.counters.acked == 0, "the owner acked nothing with Pub/Sub: it answered the sender"
     # No message document, no inbox: only the key's cursor checkpoint, as at the owner's own fast path.
-    assert pods.billed() - before <= 2
+    assert not [path for path in pods.documents.docs if "/messages/" in path], "nothing stored for the message"
+    # A checkpoint is a fenced commit (a write and the lease read); on a loaded machine the cursor's
+    # flushes may fall in two commits. The inbox's way costs more (test_a_stale_epoch_...).
+    assert pods.billed() - before <= 4
     await sender.stop()
     assert await pods.admin.pull_available(pods.subscription) == []
 
