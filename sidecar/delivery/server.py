@@ -26,24 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar.delivery.handlers import SERVICE_NAME, ordered_delivery_handler
 from sidecar.delivery.servicer import OrderedDeliveryServicer, StatusReports
-from sidecar.ops.listening import ListenError, ensure_tcp_port_free, is_socket_listening
+from sidecar.ops.listening import GRPC_SERVER_OPTIONS, ListenError, ensure_tcp_port_free, is_socket_listening
 from sidecar.pipeline.runtime import SubscriptionRuntime
 
 _LOGGER = logging.getLogger(__name__)
 
-_SERVER_OPTIONS: list[tuple[str, int]] = [
-    # Ping idle clients so that a vanished app (pod network gone, process frozen) ends its streams
-    # and their in-flight messages go back within about a minute, not at TCP's hours-long timeout.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # Accept client keepalive pings as often as every 10 s (the default 5 min would GOAWAY them).
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Linux's SO_REUSEPORT (gRPC's default) let a second sidecar bind this port and answer part of
-    # our apps' streams and status calls: a port in use is refused instead (``sidecar.ops.listening``).
-    ("grpc.so_reuseport", 0),
-]
 
 _UNIX_PREFIX = "unix://"
 
@@ -77,7 +64,7 @@ class GrpcServer:
             raise RuntimeError("GrpcServer.start() called twice")
         for name in ["", SERVICE_NAME, *self._runtimes]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         # Not the generated add_OrderedDeliveryServicer_to_server: ours refuses undecodable requests
         # with INVALID_ARGUMENT instead of failing inside grpc (sidecar.delivery.handlers).
         server.add_generic_rpc_handlers((ordered_delivery_handler(self.servicer),))

@@ -1,4 +1,5 @@
-"""Binding the sidecar's two listeners (gRPC ``listen``, HTTP ``http``): refuse an address in use.
+"""Binding the sidecar's listeners (gRPC ``listen``, HTTP ``http``, the peer port): refuse an address in
+use; the options every gRPC server of the sidecar runs with (``GRPC_SERVER_OPTIONS``).
 
 Rules:
 - Nobody shares a port with a running sidecar. gRPC's Linux default (``SO_REUSEPORT``) let a second
@@ -16,6 +17,21 @@ from __future__ import annotations
 
 import errno
 import socket
+
+GRPC_SERVER_OPTIONS: list[tuple[str, int]] = [
+    # Ping idle clients so that a vanished client (pod network gone, process frozen) ends its streams
+    # and their in-flight messages go back within about a minute, not at TCP's hours-long timeout.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # Accept client keepalive pings as often as every 10 s (the default 5 min would GOAWAY them).
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Linux's SO_REUSEPORT (gRPC's default) let a second sidecar bind this port and answer part of
+    # its clients' calls: a port in use is refused instead (``ensure_tcp_port_free``).
+    ("grpc.so_reuseport", 0),
+]
+"""The app-facing server's and the peer server's options (keepalive, no shared port)."""
 
 
 class ListenError(RuntimeError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from sidecar.ops.listening import ListenError, ensure_tcp_port_free
+from sidecar.ops.listening import GRPC_SERVER_OPTIONS, ListenError, ensure_tcp_port_free
 from sidecar.peering.auth import PeerCredentials
 from sidecar.peering.proto import peer_pb2, peer_pb2_grpc
 from sidecar.pipeline.ingest_forwarded import ForwardedMessage
@@ -43,15 +43,6 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """A frame's bound, both ways: a Pub/Sub message is at most 10 MB; its attributes and the envelope fit
 in the rest. The sender's batches stay far below it (``sidecar.peering.client``)."""
 
-_SERVER_OPTIONS: list[tuple[str, int]] = [
-    # Find a vanished peer within about a minute (see sidecar.delivery.server).
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.so_reuseport", 0),
-]
 
 Outcome = peer_pb2.Outcome
 
@@ -107,7 +98,7 @@ class PeerServer:
         ensure_tcp_port_free(host, int(port_text), "peering.port")
         server = grpc.aio.server(
             options=[
-                *_SERVER_OPTIONS,
+                *GRPC_SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.max_send_message_length", self._max_message_bytes),
             ]
