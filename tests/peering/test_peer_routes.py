@@ -11,7 +11,7 @@ from sidecar.cluster.leases.membership import Route
 from sidecar.ops.observability import PeerCollector
 from sidecar.peering.auth import PeerCredentials
 from sidecar.peering.client import PeerForwarder
-from sidecar.peering.proto import peer_pb2, peer_pb2_grpc
+from sidecar.peering.proto import peer_pb2_grpc
 from sidecar.peering.routes import PeerRoute
 from sidecar.peering.server import PeerServer
 from sidecar.wiring.peering import LeaseRoutes, Peering
@@ -41,11 +41,12 @@ async def test_a_call_without_the_secret_gets_unauthenticated_and_the_metric_cou
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             call = peer_pb2_grpc.PeerIntakeStub(channel).Forward(metadata=metadata)
-            with pytest.raises(grpc.aio.AioRpcError):
-                # The server may end the call before the write is taken: either step raises then
-                # (a write racing the end raises grpc's INTERNAL); the call's status says why it ended.
-                await call.write(peer_pb2.ForwardRequest(subscription="orders"))
+            # The server ends the call on its metadata, before reading a request. Nothing is written:
+            # a write that loses the race with that end makes grpc's client set the call's status to
+            # INTERNAL itself (``set_internal_error``), hiding the server's.
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
                 await call.read()
+            assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         text = generate_latest(registry).decode()
         assert "pubsub_sidecar_peer_unauthenticated_total 1.0" in text
