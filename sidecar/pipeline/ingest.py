@@ -78,7 +78,6 @@ from sidecar.pipeline.ingest_sort import (
     BATCH_WINDOW_SECONDS,
     MAX_BATCH_BYTES,
     MAX_BATCH_MESSAGES,
-    PREDECESSOR_WAIT_SECONDS,
     Forwarder,
     Sorter,
 )
@@ -134,7 +133,7 @@ class Ingestor:
         max_lease_duration_seconds: float = _MAX_LEASE_DURATION_SECONDS,
         clock: Callable[[], int] | None = None,
         fast_path: bool | None = None,
-        predecessor_wait_seconds: float = PREDECESSOR_WAIT_SECONDS,
+        predecessor_wait_seconds: float | None = None,
         forwarder: Forwarder | None = None,
     ) -> None:
         if max_batch_messages < 1:

@@ -81,6 +81,15 @@ messages apart: if the missing one comes meanwhile, both take the fast path, and
 document (create and tombstone). Waiting delays no delivery: the message could not be delivered
 before its predecessor anyway, and is offered to the fast path the moment that one takes it."""
 
+PEER_PREDECESSOR_WAIT_SECONDS = 1.0
+"""The same wait at a pod with the peer channel on (``Ingestor`` picks it once a forwarder is set).
+A key's messages then reach its owner by several paths, its own pull and every other pod's forward,
+each behind its own pod's backlog: in ``python -m bench --quick --scenario scale-out`` (3 pods, 2
+cores, an in-order stream) 150 ms let about 12% of the messages arrive after their wait ended, each
+then stored and tombstoned (+0.24 billed operations a message against one pod); 1 s brought that to
++0.01. The wait costs no delivery (as above) and no memory beyond what flow control already bounds:
+a held message is one the owner's ``max_outstanding_messages`` and the sender's window count."""
+
 
 class Forwarder(Protocol):
     """Hands a message of a shard this pod does not own to the shard's owner (``sidecar.peering.client``;
@@ -90,6 +99,12 @@ class Forwarder(Protocol):
         """Take ``message`` for the owner of ``shard``; False when it cannot now (``on_answer`` is then
         never called). Once taken, ``on_answer`` is called once, on the loop: True when the owner made
         its outcome durable, False for a refusal or a broken channel."""
+
+
+def predecessor_wait_for(forwarder: Forwarder | None) -> float:
+    """How long a message waits, unstored, for its key's missing position: longer where other pods
+    forward to this one, since a predecessor may come through any of them."""
+    return PREDECESSOR_WAIT_SECONDS if forwarder is None else PEER_PREDECESSOR_WAIT_SECONDS
 
 
 @dataclass(slots=True)
@@ -104,6 +119,8 @@ class Received:
     """Forwarded to this pod by another (``on_message(from_peer=True)``): never forwarded again."""
     forward_refused: bool = False
     """Forwarded and refused (or its channel broke): stored for the owner now, not offered again."""
+    held: bool = False
+    """Kept back for its key's missing position (``Sorter._hold``) and not released yet."""
 
 
 class Sorter:
@@ -124,7 +141,7 @@ class Sorter:
         max_batch_messages: int = MAX_BATCH_MESSAGES,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         batch_window_seconds: float = BATCH_WINDOW_SECONDS,
-        predecessor_wait_seconds: float = PREDECESSOR_WAIT_SECONDS,
+        predecessor_wait_seconds: float | None = None,
         forwarder: Forwarder | None = None,
     ) -> None:
         self._config = sub_config
@@ -141,7 +158,11 @@ class Sorter:
         self._max_batch_messages = max_batch_messages
         self._max_batch_bytes = max_batch_bytes
         self._batch_window_seconds = batch_window_seconds
-        self.predecessor_wait_seconds = predecessor_wait_seconds
+        self._predecessor_wait_given = predecessor_wait_seconds
+        """None: the wait follows the forwarder (``predecessor_wait_for``), set now or later."""
+        self.predecessor_wait_seconds = (
+            predecessor_wait_for(forwarder) if predecessor_wait_seconds is None else predecessor_wait_seconds
+        )
         self._backoff_maximum_seconds = backoff_maximum_seconds
         self._pending: collections.deque[Received] = collections.deque()
         """Received, not yet sorted (``sort_pending``): fast path, deferred, or to store."""
@@ -150,23 +171,37 @@ class Sorter:
         self._to_store_bytes = 0
         self._held: collections.deque[tuple[float, Received]] = collections.deque()
         """(until, item): messages waiting, unstored, for their key's missing position (``_hold``),
-        in the order they came (so by ``until``)."""
+        in the order they came (so by ``until``). An entry whose item is no longer ``held`` (the
+        fast path took it) is skipped where it is met: removing it in the middle would cost a scan."""
+        self._held_by_key: dict[str, list[Received]] = {}
+        """The held messages by key, so that ``reoffer`` looks at the keys it is given, not at all."""
+        self._held_count = 0
         self._to_store_since = 0.0
         """When the oldest of ``_to_store`` was queued (``time.monotonic``)."""
         self._persisting: collections.Counter[str] = collections.Counter()
         """Keys with messages in a persist in progress (fast path only): how many."""
         self._deferred: dict[str, list[Received]] = {}
         """Messages waiting, by key, for the persists of their key in progress (``_defer``)."""
-        self.forwarder = forwarder
-        """Takes messages of shards other pods own to their owners; None: the inbox's way only."""
+        self._forwarder = forwarder
         self.forwarding = 0
         """Messages handed to the forwarder and not answered yet."""
+
+    @property
+    def forwarder(self) -> Forwarder | None:
+        """Takes messages of shards other pods own to their owners; None: the inbox's way only."""
+        return self._forwarder
+
+    @forwarder.setter
+    def forwarder(self, forwarder: Forwarder | None) -> None:
+        self._forwarder = forwarder
+        if self._predecessor_wait_given is None:
+            self.predecessor_wait_seconds = predecessor_wait_for(forwarder)
 
     def stages(self) -> dict[str, int]:
         """Messages queued here, by queue (part of ``Ingestor.stages``)."""
         return {
             "unsorted": len(self._pending),
-            "held": len(self._held),
+            "held": self._held_count,
             "deferred": sum(len(items) for items in self._deferred.values()),
             "to_store": len(self._to_store),
             "forwarding": self.forwarding,
@@ -184,7 +219,10 @@ class Sorter:
 
     def held_until(self) -> float | None:
         """When the first held message's wait ends (``time.monotonic``); None when none is held."""
-        return self._held[0][0] if self._held else None
+        held = self._held
+        while held and not held[0][1].held:
+            held.popleft()
+        return held[0][0] if held else None
 
     # ---- receiving (on the loop, from LoopScheduler) ---------------------------------------
 
@@ -291,7 +329,10 @@ class Sorter:
         rest: list[Received] = []
         for item in batch:
             if not item.incoming.ordering_key and self._runtime.awaits_predecessor(item.incoming):
+                item.held = True
                 self._held.append((until, item))
+                self._held_by_key.setdefault(item.incoming.key, []).append(item)
+                self._held_count += 1
                 self._counters.held += 1
             else:
                 rest.append(item)
@@ -303,7 +344,10 @@ class Sorter:
         now = time.monotonic()
         expired: list[Received] = []
         while held and held[0][0] <= now:
-            expired.append(held.popleft()[1])
+            item = held.popleft()[1]
+            if item.held:
+                expired.append(item)
+        self._release_held(expired)
         if expired:
             self._persisting.update(item.incoming.key for item in expired)
             self._queue_to_store(expired)
@@ -317,15 +361,13 @@ class Sorter:
         fresh = fresh or []
         if not keys:
             return fresh
-        held = [item for _, item in self._held if item.incoming.key in keys]
-        waiting = [item for item in self._to_store if item.incoming.key in keys]
+        held_by_key = self._held_by_key
+        held = [item for key in keys for item in held_by_key.get(key, ())]
+        waiting = [item for item in self._to_store if item.incoming.key in keys] if self._to_store else []
         if not held and not waiting:
             return fresh  # offered already, and nothing of their keys waits that could open the way
         left = {id(item) for item in self._take_fast([*fresh, *held, *waiting])}
-        if any(id(item) not in left for item in held):
-            self._held = collections.deque(
-                (until, item) for until, item in self._held if item.incoming.key not in keys or id(item) in left
-            )
+        self._release_held([item for item in held if id(item) not in left])
         taken = [item for item in waiting if id(item) not in left]
         if taken:
             gone = {id(item) for item in taken}
@@ -335,6 +377,21 @@ class Sorter:
         return [item for item in fresh if id(item) in left]
 
     # ---- batches to store ------------------------------------------------------------------
+
+    def _release_held(self, items: list[Received]) -> None:
+        """``items`` (held) are held no longer: taken by the fast path, or their wait ended."""
+        if not items:
+            return
+        held_by_key = self._held_by_key
+        for item in items:
+            item.held = False
+        for key in {item.incoming.key for item in items}:
+            still = [item for item in held_by_key.get(key, ()) if item.held]
+            if still:
+                held_by_key[key] = still
+            else:
+                held_by_key.pop(key, None)
+        self._held_count -= len(items)
 
     def store_window_left(self) -> float:
         """Seconds the next batch to store may still wait for more (0: store it now)."""
@@ -433,6 +490,8 @@ class Sorter:
         self._to_store.clear()
         self._to_store_bytes = 0
         self._held.clear()
+        self._held_by_key.clear()
+        self._held_count = 0
         self._deferred.clear()
         self._persisting.clear()
 

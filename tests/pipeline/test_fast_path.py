@@ -10,6 +10,8 @@ import pytest
 from ingest_harness import IngestHarness, assert_subscription_empty
 from pubsub_admin import block_loop_until, wait_until
 
+from sidecar.pipeline.ingest_sort import PEER_PREDECESSOR_WAIT_SECONDS, PREDECESSOR_WAIT_SECONDS
+
 pytestmark = pytest.mark.timeout(90)
 
 MakeHarness = Callable[..., IngestHarness]
@@ -332,3 +334,64 @@ async def test_a_held_message_follows_a_predecessor_that_was_stored(make_harness
         (delivered,) = await _take(h, 1)
         assert (delivered.message.sequence, delivered.message.volatile) == (seq, volatile)
         await h.runtime.ack("app", [delivered.delivery_id])
+
+
+async def test_a_held_message_the_fast_path_took_is_not_stored_when_its_old_wait_ends(
+    make_harness: MakeHarness,
+) -> None:
+    # B#2 and A#2 are kept back in one hand-over (one wait for both); A#1 takes A#2 along the fast
+    # path. The entry of A#2's wait is left where it was, behind B#2's: when the wait ends, B#2 is
+    # stored and A#2's entry must be passed over.
+    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=0.5).start()
+    assert h.ingestor is not None
+    ingestor = h.ingestor
+    published = [h.submit_order("B", 2), h.submit_order("A", 2)]
+    block_loop_until(lambda: ingestor.handoff_buffered == 2, "B#2 and A#2 buffered for the loop")
+    await asyncio.gather(*map(asyncio.wrap_future, published))
+    await wait_until(lambda: h.counters.held == 2, "B#2 and A#2 kept back")
+    await h.publish_order("A", 1)
+    await wait_until(lambda: h.counters.fast_path == 2, "A#1 takes the fast path, and A#2 right behind it")
+    assert ingestor.stages()["held"] == 1, "B#2 still waits"
+    await wait_until(lambda: h.counters.persisted == 1, "B#2 stored once the wait ended")
+    await wait_until(lambda: h.counters.persist_batches == 1 and not ingestor.stages()["held"], "the wait over")
+    assert h.counters.persisted == 1, "A#2 was not stored"
+    assert [(d.message.key, d.message.sequence) for d in await _take(h, 1)] == [("A", 1)]
+
+
+async def test_a_predecessor_releases_its_own_key_only_and_the_others_are_stored_when_their_wait_ends(
+    make_harness: MakeHarness,
+) -> None:
+    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=0.5).start()
+    assert h.ingestor is not None
+    for key in ("A", "B", "C"):
+        await h.publish_order(key, 2)
+    await wait_until(lambda: h.counters.held == 3, "A#2, B#2 and C#2 kept back")
+    await h.publish_order("B", 1)
+    await wait_until(lambda: h.counters.fast_path == 2, "B#1 and B#2 on the fast path")
+    assert h.ingestor.stages()["held"] == 2, "A#2 and C#2 still wait"
+    await wait_until(lambda: h.counters.persisted == 2, "A#2 and C#2 stored once their wait ended")
+    assert h.ingestor.stages()["held"] == 0 and h.counters.fast_path == 2
+
+
+class _Declines:
+    """A forwarder that takes nothing (every message then goes this pod's own way)."""
+
+    def forward(self, subscription: str, shard: int, message: object, on_answer: Callable[[bool], None]) -> bool:
+        return False
+
+
+async def test_with_the_peer_channel_a_message_waits_longer_for_its_predecessor_unless_a_wait_is_given(
+    make_harness: MakeHarness,
+) -> None:
+    default = make_harness(fast_path=True)
+    await default.start()
+    given = make_harness(fast_path=True, predecessor_wait_seconds=0.2, name="payments")
+    await given.start()
+    assert default.ingestor is not None and given.ingestor is not None
+    assert default.ingestor._predecessor_wait_seconds == PREDECESSOR_WAIT_SECONDS
+    default.ingestor.set_forwarder(_Declines())
+    given.ingestor.set_forwarder(_Declines())
+    assert default.ingestor._predecessor_wait_seconds == PEER_PREDECESSOR_WAIT_SECONDS > PREDECESSOR_WAIT_SECONDS
+    assert given.ingestor._predecessor_wait_seconds == 0.2, "a wait given is kept"
+    default.ingestor.set_forwarder(None)
+    assert default.ingestor._predecessor_wait_seconds == PREDECESSOR_WAIT_SECONDS
