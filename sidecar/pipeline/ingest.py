@@ -7,8 +7,8 @@ batch loop that drives them.
 - ``ingest_pull``: the Pub/Sub client and the StreamingPull (with ``ingest_scheduler``, which runs
   the callback on the event loop, and ``ingest_watch``, which reports each attempt to ``PullHealth``).
 - ``ingest_sort``: the callback (classify), forwarding to the key's owner, and the fast path,
-  deferred, held and to-store queues; ``ingest_forwarded``: a message another pod forwarded, taken
-  by ``take_forwarded`` as this pod's own intake (docs/forwarding.md).
+  deferred, held (``ingest_held``) and to-store queues; ``ingest_forwarded``: a message another
+  pod forwarded, taken by ``take_forwarded`` as this pod's own intake (docs/forwarding.md).
 - ``ingest_persist``: persist batches, and what each store outcome makes of its message.
 - ``ingest_settlement``: every message received until acked or nacked; dead letter, then ack.
 - ``ingest_backpressure``: no new batch while the app is too far behind.

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sidecar.config.model import SubscriptionConfig
 from sidecar.pipeline.classify import Malformed, classify
 from sidecar.pipeline.ingest_counters import IngestCounters
+from sidecar.pipeline.ingest_held import Held
 from sidecar.pipeline.ingest_settlement import PulledMessage, Settlement
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.shards import shard_of
@@ -119,8 +120,6 @@ class Received:
     """Forwarded to this pod by another (``on_message(from_peer=True)``): never forwarded again."""
     forward_refused: bool = False
     """Forwarded and refused (or its channel broke): stored for the owner now, not offered again."""
-    held: bool = False
-    """Kept back for its key's missing position (``Sorter._hold``) and not released yet."""
 
 
 class Sorter:
@@ -169,13 +168,8 @@ class Sorter:
         self._to_store: collections.deque[Received] = collections.deque()
         """Sorted, to be stored: batched for up to ``batch_window_seconds``, then a free persist slot."""
         self._to_store_bytes = 0
-        self._held: collections.deque[tuple[float, Received]] = collections.deque()
-        """(until, item): messages waiting, unstored, for their key's missing position (``_hold``),
-        in the order they came (so by ``until``). An entry whose item is no longer ``held`` (the
-        fast path took it) is skipped where it is met: removing it in the middle would cost a scan."""
-        self._held_by_key: dict[str, list[Received]] = {}
-        """The held messages by key, so that ``reoffer`` looks at the keys it is given, not at all."""
-        self._held_count = 0
+        self._held: Held[Received] = Held(_key_of)
+        """Messages waiting, unstored, for their key's missing position (``_hold``)."""
         self._to_store_since = 0.0
         """When the oldest of ``_to_store`` was queued (``time.monotonic``)."""
         self._persisting: collections.Counter[str] = collections.Counter()
@@ -201,7 +195,7 @@ class Sorter:
         """Messages queued here, by queue (part of ``Ingestor.stages``)."""
         return {
             "unsorted": len(self._pending),
-            "held": self._held_count,
+            "held": len(self._held),
             "deferred": sum(len(items) for items in self._deferred.values()),
             "to_store": len(self._to_store),
             "forwarding": self.forwarding,
@@ -219,10 +213,7 @@ class Sorter:
 
     def held_until(self) -> float | None:
         """When the first held message's wait ends (``time.monotonic``); None when none is held."""
-        held = self._held
-        while held and not held[0][1].held:
-            held.popleft()
-        return held[0][0] if held else None
+        return self._held.next_deadline()
 
     # ---- receiving (on the loop, from LoopScheduler) ---------------------------------------
 
@@ -329,10 +320,7 @@ class Sorter:
         rest: list[Received] = []
         for item in batch:
             if not item.incoming.ordering_key and self._runtime.awaits_predecessor(item.incoming):
-                item.held = True
-                self._held.append((until, item))
-                self._held_by_key.setdefault(item.incoming.key, []).append(item)
-                self._held_count += 1
+                self._held.hold(item, until)
                 self._counters.held += 1
             else:
                 rest.append(item)
@@ -340,14 +328,7 @@ class Sorter:
 
     def store_held(self) -> None:
         """Held messages whose wait ended go to be stored."""
-        held = self._held
-        now = time.monotonic()
-        expired: list[Received] = []
-        while held and held[0][0] <= now:
-            item = held.popleft()[1]
-            if item.held:
-                expired.append(item)
-        self._release_held(expired)
+        expired = self._held.expired(time.monotonic())
         if expired:
             self._persisting.update(item.incoming.key for item in expired)
             self._queue_to_store(expired)
@@ -361,13 +342,12 @@ class Sorter:
         fresh = fresh or []
         if not keys:
             return fresh
-        held_by_key = self._held_by_key
-        held = [item for key in keys for item in held_by_key.get(key, ())]
-        waiting = [item for item in self._to_store if item.incoming.key in keys] if self._to_store else []
+        held = self._held.of_keys(keys)
+        waiting = [item for item in self._to_store if item.incoming.key in keys]
         if not held and not waiting:
             return fresh  # offered already, and nothing of their keys waits that could open the way
         left = {id(item) for item in self._take_fast([*fresh, *held, *waiting])}
-        self._release_held([item for item in held if id(item) not in left])
+        self._held.release([item for item in held if id(item) not in left])
         taken = [item for item in waiting if id(item) not in left]
         if taken:
             gone = {id(item) for item in taken}
@@ -377,21 +357,6 @@ class Sorter:
         return [item for item in fresh if id(item) in left]
 
     # ---- batches to store ------------------------------------------------------------------
-
-    def _release_held(self, items: list[Received]) -> None:
-        """``items`` (held) are held no longer: taken by the fast path, or their wait ended."""
-        if not items:
-            return
-        held_by_key = self._held_by_key
-        for item in items:
-            item.held = False
-        for key in {item.incoming.key for item in items}:
-            still = [item for item in held_by_key.get(key, ()) if item.held]
-            if still:
-                held_by_key[key] = still
-            else:
-                held_by_key.pop(key, None)
-        self._held_count -= len(items)
 
     def store_window_left(self) -> float:
         """Seconds the next batch to store may still wait for more (0: store it now)."""
@@ -490,10 +455,12 @@ class Sorter:
         self._to_store.clear()
         self._to_store_bytes = 0
         self._held.clear()
-        self._held_by_key.clear()
-        self._held_count = 0
         self._deferred.clear()
         self._persisting.clear()
+
+
+def _key_of(item: Received) -> str:
+    return item.incoming.key
 
 
 def _publish_time_ms(message: PulledMessage) -> int:
