@@ -58,6 +58,7 @@ _GOOGLE_LIBRARIES: dict[str, tuple[tuple[str, ...], set[str]]] = {
             "sidecar.pipeline.ingest_pull",
             "sidecar.pipeline.ingest_scheduler",
             "sidecar.pipeline.ingest_watch",
+            "sidecar.pipeline.ingest_pubsub_rpc",  # the stream intake's calls: raw message classes, the channel
             "sidecar.dead_letters.publisher",
             "sidecar.dead_letters.subscription",
             "sidecar.commands.demo_pubsub",

@@ -298,6 +298,10 @@ class SubscriptionConfig(_Model):
     dead_letter_topic: TopicName | None = None
     """Without one, messages the sidecar gives up on stay un-acked in Pub/Sub (see docs/config.md)."""
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    intake: Literal["stream", "client"] = "stream"
+    """How messages are pulled: ``stream``, the sidecar's own StreamingPull on its event loop
+    (``sidecar.pipeline.ingest_stream``), or ``client``, the official subscriber's streaming pull
+    manager (needed for exactly-once subscriptions, whose ack results the stream intake does not read)."""
 
     def engine_config(self) -> EngineConfig:
         """The engine's view of this subscription: policies only, durations in milliseconds."""

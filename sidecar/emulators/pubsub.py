@@ -309,6 +309,7 @@ class PubsubEmulator:
             code = exc.code if isinstance(exc, PubsubError) else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, str(exc))
             return
+        stream.routing = _routing_header(context)
         # However the RPC ends (client cancel, lost connection, a failed write, a server abort), the
         # stream is forgotten when it ends, not when its generator happens to be finalized.
         context.add_done_callback(lambda _: self.broker.end_stream(stream, grpc.StatusCode.CANCELLED, "RPC ended"))
@@ -374,6 +375,8 @@ class PubsubEmulator:
                     raise invalid(
                         "StreamingPull: subscription and max_outstanding_* may only be set in the first request"
                     )
+                if not request.ByteSize():
+                    stream.heartbeats += 1
                 if request.stream_ack_deadline_seconds:
                     deadline = request.stream_ack_deadline_seconds
                     if not MIN_ACK_DEADLINE_SECONDS <= deadline <= MAX_ACK_DEADLINE_SECONDS:
@@ -387,6 +390,14 @@ class PubsubEmulator:
             raise
         except Exception as exc:  # the transport failed under us: end the stream, the client reconnects
             self.broker.end_stream(stream, grpc.StatusCode.UNAVAILABLE, f"stream read failed: {exc}")
+
+
+def _routing_header(context: grpc.aio.ServicerContext) -> str:
+    """The call's ``x-goog-request-params`` (how Google's front ends route a call to its resource)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-goog-request-params":
+            return value if isinstance(value, str) else value.decode()
+    return ""
 
 
 def _fill(received: Any, sub: Subscription, leases: list[Lease]) -> None:

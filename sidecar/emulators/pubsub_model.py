@@ -99,6 +99,10 @@ class StreamState:
     """Unique within the broker (never reused, unlike ``id()``): histories and the admin API name it."""
     client_id: str = ""
     """The client's ``client_id`` from the first request (the Python client keeps it across reconnects)."""
+    routing: str = ""
+    """The call's ``x-goog-request-params`` header (``subscription=...`` from Google's clients)."""
+    heartbeats: int = 0
+    """Empty requests the client sent on the open stream (keep-alives; the Python client's every 30 s)."""
     outstanding_messages: int = 0
     outstanding_bytes: int = 0
     outbox: deque[Lease] = field(default_factory=deque)

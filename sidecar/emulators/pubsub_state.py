@@ -523,6 +523,8 @@ class Broker:
             {
                 "stream": s.number,
                 "client_id": s.client_id,
+                "routing": s.routing,
+                "heartbeats": s.heartbeats,
                 "deadline_seconds": s.deadline_seconds,
                 "max_outstanding_messages": s.max_messages,
                 "max_outstanding_bytes": s.max_bytes,

@@ -72,7 +72,7 @@ from sidecar.pipeline.ingest_backpressure import Backpressure
 from sidecar.pipeline.ingest_counters import IngestCounters
 from sidecar.pipeline.ingest_forwarded import ForwardedMessage
 from sidecar.pipeline.ingest_persist import Persister
-from sidecar.pipeline.ingest_pull import StreamingPull, SubscriberClient, describe_error, describe_seconds
+from sidecar.pipeline.ingest_pull import StreamingPull, SubscriberClient, describe_seconds
 from sidecar.pipeline.ingest_settlement import Settlement
 from sidecar.pipeline.ingest_sort import (
     BATCH_WINDOW_SECONDS,
@@ -81,7 +81,8 @@ from sidecar.pipeline.ingest_sort import (
     Forwarder,
     Sorter,
 )
-from sidecar.pipeline.pull_health import PullHealth
+from sidecar.pipeline.ingest_stream import StreamIntake
+from sidecar.pipeline.pull_health import PullHealth, describe_error
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.store.api import Store
 
@@ -151,14 +152,24 @@ class Ingestor:
         self.counters = IngestCounters()
         self.pull_health = PullHealth(lambda: self.counters.received)
         """What the StreamingPull attempts say (readiness, GetStatus, metrics)."""
-        self._pull = StreamingPull(
-            self.name,
-            self.subscription_path,
-            sub_config.flow_control,
-            self.pull_health,
-            subscriber=subscriber,
-            max_lease_duration_seconds=max_lease_duration_seconds,
-        )
+        self._pull: StreamingPull | StreamIntake
+        if subscriber is None and sub_config.intake == "stream":
+            self._pull = StreamIntake(
+                self.name,
+                self.subscription_path,
+                sub_config.flow_control,
+                self.pull_health,
+                max_lease_duration_seconds=max_lease_duration_seconds,
+            )
+        else:
+            self._pull = StreamingPull(
+                self.name,
+                self.subscription_path,
+                sub_config.flow_control,
+                self.pull_health,
+                subscriber=subscriber,
+                max_lease_duration_seconds=max_lease_duration_seconds,
+            )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -377,7 +388,7 @@ class Ingestor:
         if not await self._pull.shut_down():
             errors.append(IngestError(f"ingest of {self.name!r}: streaming pull did not shut down"))
         self._sorter.forget_queued()
-        await self._settlement.give_back(self._pull.nack_ids if self._pull.subscriber is not None else None)
+        await self._settlement.give_back(self._pull.nack_ids if self._pull.can_give_back else None)
         errors += await self._pull.close_client()
         if errors:
             raise IngestError(f"ingest of {self.name!r} stopped with errors: {errors!r}") from errors[0]

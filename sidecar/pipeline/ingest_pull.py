@@ -39,11 +39,10 @@ from google.cloud import pubsub_v1
 from google.cloud.pubsub_v1.subscriber.futures import StreamingPullFuture
 from google.cloud.pubsub_v1.subscriber.message import Message as PubsubMessage
 
-from sidecar.backoff import backoff_seconds
 from sidecar.config.model import FlowControlConfig
 from sidecar.pipeline.ingest_scheduler import LoopScheduler
 from sidecar.pipeline.ingest_watch import watched_transport
-from sidecar.pipeline.pull_health import PullHealth
+from sidecar.pipeline.pull_health import PullHealth, report_closed
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -58,14 +57,6 @@ _STREAM_THREAD_EXIT_SECONDS = 2.0
 """How long ``close_client()`` then waits for the client's stream thread to end before closing the
 client. It ends within a second unless it is inside a retried attempt to reopen a failing stream
 (retries sleep up to 60 s): closing the channel under it would make it fail with a traceback."""
-
-_REOPEN_INITIAL_SECONDS = 1.0
-"""First wait before a streaming pull closed for good is opened again (a subscription recreated at
-once, a permission granted back)."""
-
-_REOPEN_MAXIMUM_SECONDS = 30.0
-"""Cap on that wait: a fixed subscription is pulled again within 30 s, and a lasting refusal costs
-two StreamingPull calls a minute."""
 
 _STREAM_THREAD_NAME = "Thread-ConsumeBidirectionalStream"
 """The name google-api-core gives the thread that reads a StreamingPull stream (``bidi.py``)."""
@@ -157,21 +148,13 @@ class StreamingPull:
         self.done = asyncio.wrap_future(self._future)
 
     def report_closed(self, error: api_exceptions.GoogleAPICallError) -> float:
-        """Report that Pub/Sub closed the pull for good (``PullHealth``, an ERROR log); returns how
-        long to wait before opening it again."""
-        status = error.grpc_status_code
-        code = status.name if status is not None else type(error).__name__
-        delay = backoff_seconds(self._health.consecutive_closes + 1, _REOPEN_INITIAL_SECONDS, _REOPEN_MAXIMUM_SECONDS)
-        self._health.closed(code, error.message or str(error), delay)
-        _LOGGER.error(
-            "streaming pull of %s (subscription %r) was closed by Pub/Sub: %s; nothing is received until it "
-            "works again, /readyz answers 503; opening it again in %.1fs",
-            self.subscription_path,
-            self.name,
-            describe_error(error),
-            delay,
-        )
-        return delay
+        """Report that Pub/Sub closed the pull for good; returns how long to wait before opening it again."""
+        return report_closed(self._health, self.subscription_path, self.name, error)
+
+    @property
+    def can_give_back(self) -> bool:
+        """``nack_ids`` has a client to call."""
+        return self.subscriber is not None
 
     def cancel(self) -> None:
         """Stop the streaming pull without waiting (the client shuts it down on its threads)."""
@@ -193,11 +176,13 @@ class StreamingPull:
             self.done.exception()  # retrieved: a failure was reported by run() already
         return True
 
-    def nack_ids(self, ack_ids: list[str]) -> None:
-        """Blocking: nack ``ack_ids`` (at most 1000) with our own ModifyAckDeadline call, not through the
-        stream (``Settlement.give_back``, after the stream was shut down)."""
-        assert self.subscriber is not None
-        self.subscriber.modify_ack_deadline(
+    async def nack_ids(self, ack_ids: list[str]) -> None:
+        """Nack ``ack_ids`` (at most 1000) with our own ModifyAckDeadline call, not through the
+        stream (``Settlement.give_back``, after the stream was shut down), on a worker thread."""
+        subscriber = self.subscriber
+        assert subscriber is not None
+        await asyncio.to_thread(
+            subscriber.modify_ack_deadline,
             subscription=self.subscription_path,
             ack_ids=ack_ids,
             ack_deadline_seconds=0,
@@ -250,13 +235,6 @@ class StreamingPull:
             _LOGGER.warning("ingest of %s: Pub/Sub ping failed: %s", self.name, exc)
             return False
         return True
-
-
-def describe_error(exc: BaseException) -> str:
-    """An error for a log line or ``IngestError``: a Pub/Sub error with its status code."""
-    if isinstance(exc, api_exceptions.GoogleAPICallError):
-        return f"{exc.__class__.__name__} ({exc.code}): {exc.message}"
-    return f"{exc.__class__.__name__}: {exc}"
 
 
 def describe_seconds(seconds: float) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from google.api_core import exceptions as api_exceptions
@@ -158,9 +158,9 @@ class Settlement:
             self.nack(message)
         return len(messages)
 
-    async def give_back(self, nack_ids: Callable[[list[str]], None] | None) -> None:
-        """Nack everything still held, with our own ModifyAckDeadline calls (``nack_ids``, a blocking
-        call: ``StreamingPull.nack_ids``; None without a client), once the stream is closed.
+    async def give_back(self, nack_ids: Callable[[list[str]], Awaitable[None]] | None) -> None:
+        """Nack everything still held, with our own ModifyAckDeadline calls (``nack_ids``: the
+        intake's; None without a client), once the stream is closed.
 
         Not ``message.nack()``: after the stream closed the client's dispatcher is gone and would drop
         them, and before it closed Pub/Sub would send them straight back to this stream.
@@ -175,7 +175,7 @@ class Settlement:
         for start in range(0, len(ack_ids), _MAX_IDS_PER_MODACK):
             chunk = ack_ids[start : start + _MAX_IDS_PER_MODACK]
             try:
-                await asyncio.to_thread(nack_ids, chunk)
+                await nack_ids(chunk)
             except api_exceptions.GoogleAPICallError as exc:
                 # No loss: their leases run out and Pub/Sub redelivers them a little later.
                 _LOGGER.warning("ingest of %s: giving back %d messages failed: %s", self._name, len(chunk), exc)

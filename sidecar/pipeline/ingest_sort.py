@@ -465,6 +465,9 @@ def _key_of(item: Received) -> str:
 
 def _publish_time_ms(message: PulledMessage) -> int:
     """Publish time in integer ms since the epoch, computed exactly (no float rounding)."""
+    known: int | None = getattr(message, "publish_time_ms", None)  # the stream intake's, from the raw stamp
+    if known is not None:
+        return known
     publish_time = message.publish_time
     if publish_time.tzinfo is None:
         publish_time = publish_time.replace(tzinfo=datetime.UTC)

@@ -30,11 +30,16 @@ cache to each.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from google.api_core import exceptions as api_exceptions
+
+from sidecar.backoff import backoff_seconds
 
 FAILING_AFTER_SECONDS = 10.0
 """A run of failed attempts this long is reported. The client reopens a failed stream at once (at
@@ -47,6 +52,15 @@ a missing permission, a quota) come back within a round trip of the open."""
 
 _IGNORED_CODES = frozenset({"OK", "CANCELLED"})
 """Endings that are no failure: a clean end, and the client cancelling its own stream."""
+
+_LOGGER = logging.getLogger(__name__)
+
+_REOPEN_INITIAL_SECONDS = 1.0
+"""First wait before a streaming pull closed for good is opened again (a subscription recreated at
+once, a permission granted back)."""
+_REOPEN_MAXIMUM_SECONDS = 30.0
+"""Cap on that wait: a fixed subscription is pulled again within 30 s, and a lasting refusal costs
+two StreamingPull calls a minute."""
 
 _MAX_DETAILS_CHARS = 200
 """Status details quoted in ``problem()``: enough for Pub/Sub's messages, short enough for a probe body."""
@@ -161,3 +175,30 @@ class PullHealth:
         self._closed = None
         self._reopen_at = None
         self.consecutive_closes = 0
+
+
+def report_closed(
+    health: PullHealth, subscription_path: str, name: str, error: api_exceptions.GoogleAPICallError
+) -> float:
+    """Report that Pub/Sub closed a pull for good (``PullHealth``, an ERROR log), for either intake;
+    returns how long to wait before opening it again."""
+    status = error.grpc_status_code
+    code = status.name if status is not None else type(error).__name__
+    delay = backoff_seconds(health.consecutive_closes + 1, _REOPEN_INITIAL_SECONDS, _REOPEN_MAXIMUM_SECONDS)
+    health.closed(code, error.message or str(error), delay)
+    _LOGGER.error(
+        "streaming pull of %s (subscription %r) was closed by Pub/Sub: %s; nothing is received until it "
+        "works again, /readyz answers 503; opening it again in %.1fs",
+        subscription_path,
+        name,
+        describe_error(error),
+        delay,
+    )
+    return delay
+
+
+def describe_error(exc: BaseException) -> str:
+    """An error for a log line or ``IngestError``: a Pub/Sub error with its status code."""
+    if isinstance(exc, api_exceptions.GoogleAPICallError):
+        return f"{exc.__class__.__name__} ({exc.code}): {exc.message}"
+    return f"{exc.__class__.__name__}: {exc}"

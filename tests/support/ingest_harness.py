@@ -30,6 +30,7 @@ def make_sub_config(
     max_undelivered_messages: int | None,
     max_outstanding_messages: int,
     fast_path: bool = True,
+    intake: str = "stream",
 ) -> SubscriptionConfig:
     ordering: dict[str, Any] = {"mode": mode}
     if mode == "sequence":
@@ -41,6 +42,7 @@ def make_sub_config(
         "subscription": subscription,
         "ordering": ordering,
         "dead_letter_topic": dead_letter_topic,
+        "intake": intake,
         "flow_control": {
             "max_undelivered_messages": max_undelivered_messages,
             "max_outstanding_messages": max_outstanding_messages,
@@ -63,9 +65,12 @@ class IngestHarness:
         max_outstanding_messages: int = 100,
         name: str = "orders",
         config_fast_path: bool = True,
+        intake: str = "stream",
         **ingestor_kwargs: Any,
     ) -> None:
         self._config_fast_path = config_fast_path
+        self.intake = intake
+        """``stream`` (the sidecar's own StreamingPull) or ``client`` (the official subscriber's)."""
         self.admin = admin
         self.mode = mode
         self.name = name
@@ -117,6 +122,7 @@ class IngestHarness:
             max_undelivered_messages=self._max_undelivered,
             max_outstanding_messages=self._max_outstanding,
             fast_path=self._config_fast_path,
+            intake=self.intake,
         )
         self.dead_letters = DeadLetterPublisher({self.name: self.dead_letter_topic})
         self.runtime = SubscriptionRuntime(self.name, self.config.engine_config(), self.store, self.dead_letters)

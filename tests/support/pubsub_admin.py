@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable
@@ -140,6 +141,23 @@ class PubSubAdmin:
 
     async def clear_faults(self) -> None:
         await asyncio.to_thread(self._request, "DELETE", "/faults", None)
+
+    async def report(self, what: str, subscription: str) -> Any:
+        """The emulator's ``/pubsub/<what>`` report (streams, leases, unacked) of ``subscription``."""
+        query = urllib.parse.urlencode({"subscription": subscription})
+        return await asyncio.to_thread(self._get_json, f"/pubsub/{what}?{query}")
+
+    async def counters(self) -> dict[str, int]:
+        """Acknowledge and ModifyAckDeadline traffic since the last ``reset_counters``."""
+        counters: dict[str, int] = await asyncio.to_thread(self._get_json, "/pubsub/counters")
+        return counters
+
+    async def reset_counters(self) -> None:
+        await asyncio.to_thread(self._post, "/pubsub/counters/reset", {})
+
+    def _get_json(self, path: str) -> Any:
+        with urllib.request.urlopen(self.stack.admin_url + path, timeout=10) as response:
+            return json.loads(response.read())
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
         self._request("POST", path, body)
