@@ -71,8 +71,9 @@ from sidecar.dead_letters.publisher import DeadLetterPublisher
 from sidecar.pipeline.ingest_backpressure import Backpressure
 from sidecar.pipeline.ingest_counters import IngestCounters
 from sidecar.pipeline.ingest_forwarded import ForwardedMessage
+from sidecar.pipeline.ingest_intake import make_intake
 from sidecar.pipeline.ingest_persist import Persister
-from sidecar.pipeline.ingest_pull import StreamingPull, SubscriberClient, describe_seconds
+from sidecar.pipeline.ingest_pull import SubscriberClient, describe_seconds
 from sidecar.pipeline.ingest_settlement import Settlement
 from sidecar.pipeline.ingest_sort import (
     BATCH_WINDOW_SECONDS,
@@ -81,7 +82,6 @@ from sidecar.pipeline.ingest_sort import (
     Forwarder,
     Sorter,
 )
-from sidecar.pipeline.ingest_stream import StreamIntake
 from sidecar.pipeline.pull_health import PullHealth, describe_error
 from sidecar.pipeline.runtime import SubscriptionRuntime
 from sidecar.store.api import Store
@@ -152,24 +152,9 @@ class Ingestor:
         self.counters = IngestCounters()
         self.pull_health = PullHealth(lambda: self.counters.received)
         """What the StreamingPull attempts say (readiness, GetStatus, metrics)."""
-        self._pull: StreamingPull | StreamIntake
-        if subscriber is None and sub_config.intake == "stream":
-            self._pull = StreamIntake(
-                self.name,
-                self.subscription_path,
-                sub_config.flow_control,
-                self.pull_health,
-                max_lease_duration_seconds=max_lease_duration_seconds,
-            )
-        else:
-            self._pull = StreamingPull(
-                self.name,
-                self.subscription_path,
-                sub_config.flow_control,
-                self.pull_health,
-                subscriber=subscriber,
-                max_lease_duration_seconds=max_lease_duration_seconds,
-            )
+        self._pull = make_intake(
+            sub_config, self.pull_health, subscriber=subscriber, max_lease_duration_seconds=max_lease_duration_seconds
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()

@@ -124,8 +124,9 @@ class PubsubRpc:
     async def call(
         self, method: str, request: Any, *, timeout_seconds: float = UNARY_TIMEOUT_SECONDS, retry: bool = True
     ) -> Any:
-        """One unary call (raw request, raw response), retried on UNAVAILABLE for up to 60 s
-        unless ``retry`` is False; raises the api_core error it ended with."""
+        """One unary call (raw request, raw response), retried on UNAVAILABLE within
+        ``timeout_seconds`` (60 s at most) unless ``retry`` is False; raises the api_core error it
+        ended with."""
         if self._channel is None:
             raise api_exceptions.ServiceUnavailable(f"{method}: the channel is closed")  # type: ignore[no-untyped-call]
         unary = self._unaries.get(method)
@@ -136,11 +137,13 @@ class PubsubRpc:
                 request_serializer=_serialize,
                 response_deserializer=response_class.FromString if response_class is not None else _ignore,
             )
-        give_up_at = self._clock() + UNARY_RETRY_SECONDS
+        # As api_core's: the timeout bounds the retries too, never more than the retry's 60 s.
+        give_up_at = self._clock() + min(UNARY_RETRY_SECONDS, timeout_seconds)
         delay = 0.1
         while True:
             try:
-                return await unary(request, timeout=timeout_seconds, metadata=self.metadata)
+                left = max(0.001, give_up_at - self._clock())
+                return await unary(request, timeout=left, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
                 if not retry or exc.code() != grpc.StatusCode.UNAVAILABLE or self._clock() + delay > give_up_at:
                     raise error_of(exc) from None

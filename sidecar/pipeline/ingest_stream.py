@@ -76,6 +76,7 @@ RETRYABLE_STREAM_CODES = frozenset(
 GATEWAY_TIMEOUT reaches gRPC as UNAVAILABLE). OK: Pub/Sub ends long-lived streams now and then."""
 
 HEARTBEAT_SECONDS = 30.0
+_DEFAULT_STREAM_ACK_DEADLINE_SECONDS = 60
 _REOPEN_LIMIT = 5
 _REOPEN_WINDOW_SECONDS = 10.0
 """At most 5 opens in 10 s (the official client's reopen throttle)."""
@@ -190,7 +191,7 @@ class StreamIntake:
         self._ordered = False
         self._readable = asyncio.Event()
         self._readable.set()
-        self._stream_deadline = self.leases.deadline()
+        self._stream_deadline = self._stream_deadline_now()
         self._opens: collections.deque[float] = collections.deque()
         self._call: Any = None
         self._shut_down = False
@@ -338,7 +339,7 @@ class StreamIntake:
         self._call = call
         got = False
         try:
-            self._stream_deadline = self.leases.deadline()
+            self._stream_deadline = self._stream_deadline_now()
             await call.write(
                 rpc.StreamingPullRequest(
                     subscription=self.subscription_path,
@@ -479,7 +480,7 @@ class StreamIntake:
             call = self._call
             if call is None:
                 continue
-            deadline = self.leases.deadline()
+            deadline = self._stream_deadline_now()
             request = rpc.StreamingPullRequest()
             if deadline != self._stream_deadline:
                 request.stream_ack_deadline_seconds = self._stream_deadline = deadline
@@ -487,6 +488,14 @@ class StreamIntake:
                 await call.write(request)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
                 pass  # the stream is ending: its reader reports why and opens the next one
+
+    def _stream_deadline_now(self) -> int:
+        """The stream's ack deadline, Pub/Sub's lease on what it sends until our receipt modack: the
+        cap when one is set, else 60 s or the current lease extension if longer (the official
+        client's ``_stream_ack_deadline``)."""
+        if self.leases.max_extension_seconds:
+            return self.leases.deadline()
+        return max(_DEFAULT_STREAM_ACK_DEADLINE_SECONDS, self.leases.deadline())
 
     def _stop_tasks(self) -> None:
         if self._run_task is not None:

@@ -286,7 +286,11 @@ async def test_held_successors_follow_a_predecessor_that_arrives_beside_a_later_
 ) -> None:
     # 1 and 4 come in one hand-over: 1 takes the fast path and 4 (3 is missing) is kept back; 2,
     # kept back before, follows 1 at once rather than when its wait ends.
-    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=3600.0).start()
+    # intake: client, whose threads receive while the loop is kept busy (the stream intake reads on
+    # the loop, so that a busy loop receives nothing): the one way to make one hand-over certain.
+    h = await make_harness(
+        fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=3600.0, intake="client"
+    ).start()
     assert h.ingestor is not None
     await h.publish_order("A", 2)
     await wait_until(lambda: h.counters.held == 1, "2 kept back for 1")
@@ -342,7 +346,10 @@ async def test_a_held_message_the_fast_path_took_is_not_stored_when_its_old_wait
     # B#2 and A#2 are kept back in one hand-over (one wait for both); A#1 takes A#2 along the fast
     # path. The entry of A#2's wait is left where it was, behind B#2's: when the wait ends, B#2 is
     # stored and A#2's entry must be passed over.
-    h = await make_harness(fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=0.5).start()
+    # intake: client, whose threads receive while the loop is kept busy (one hand-over for certain).
+    h = await make_harness(
+        fast_path=True, batch_window_seconds=0.0, predecessor_wait_seconds=0.5, intake="client"
+    ).start()
     assert h.ingestor is not None
     ingestor = h.ingestor
     published = [h.submit_order("B", 2), h.submit_order("A", 2)]

@@ -291,7 +291,7 @@ def test_shutdown_called_from_a_callback_on_the_loop_does_not_wait_for_its_own_r
 
 
 async def test_ingest_takes_a_burst_in_one_hand_off_and_persists_and_acks_all_of_it(make_harness: MakeHarness) -> None:
-    h = make_harness()
+    h = make_harness(intake="client")  # the official client's intake: its scheduler is under test
     await h.setup()
     for seq in range(1, 41):
         await h.publish_order("A", seq)
@@ -306,7 +306,7 @@ async def test_ingest_takes_a_burst_in_one_hand_off_and_persists_and_acks_all_of
 
 
 async def test_ingest_stop_while_the_loop_is_busy_gives_every_buffered_message_back(make_harness: MakeHarness) -> None:
-    h = make_harness()
+    h = make_harness(intake="client")  # the official client's intake: its scheduler is under test
     await h.setup()
     for seq in range(1, 21):
         await h.publish_order("A", seq)
