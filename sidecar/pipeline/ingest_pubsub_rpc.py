@@ -7,7 +7,7 @@
   ``x-goog-api-client`` on every call, unary calls retried on UNAVAILABLE for up to 60 s (0.1 s
   growing x1.3, jittered: the official client's retry of Acknowledge and ModifyAckDeadline), and
   StreamingPull calls.
-- ``AckSender``: acks and deadline changes (nacks are a deadline of 0) wait at most 10 ms, or until
+- ``AckSender``: acks and deadline changes (nacks are a deadline of 0) wait at most 50 ms, or until
   1,000 ids are queued, and go as one Acknowledge or ModifyAckDeadline call per 1,000 ids and
   deadline. They do not depend on any stream: what was queued while a stream was broken is sent
   all the same. A call given up on is logged and counted (``failures``), never raised: an ack not
@@ -49,8 +49,11 @@ CHANNEL_OPTIONS = (
 )
 """The official client's channel options."""
 
-BATCH_LATENCY_SECONDS = 0.01
-"""Acks, nacks and modacks wait at most this long to be sent together (``_MAX_BATCH_LATENCY``)."""
+BATCH_LATENCY_SECONDS = 0.05
+"""Acks, nacks and modacks wait at most this long to be sent together. The official client waits
+10 ms (``_MAX_BATCH_LATENCY``); here an ack follows a durable write (a fast-path message's follows its
+key's checkpoint, half a second on average), so 40 ms more delays nothing the app sees, and a
+unary call costs about as much CPU as handling a dozen messages: 50 ms makes 5x fewer calls."""
 MAX_IDS_PER_REQUEST = 1000
 """Ack ids per Acknowledge or ModifyAckDeadline call (``_ACK_IDS_BATCH_SIZE``)."""
 UNARY_RETRY_SECONDS = 60.0

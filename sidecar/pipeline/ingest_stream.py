@@ -14,8 +14,9 @@ What it does, each rule the official client's (google-cloud-pubsub 2.x, read in 
 - **Leases** (``sidecar.pipeline.ingest_leases``): every message received is modacked at once to the
   current deadline (the receipt modack), extended every 10 ms to 0.9 deadlines (at random) while
   held, and dropped after ``max_lease_duration``. Acks, nacks (modack 0) and modacks go as unary
-  calls, batched every 10 ms or 1,000 ids, retried on UNAVAILABLE for up to 60 s: nothing depends
-  on the stream being up, so acks buffered while it is broken are sent all the same.
+  calls, batched for up to 50 ms (the official client: 10 ms) or 1,000 ids, retried on UNAVAILABLE
+  for up to 60 s: nothing depends on the stream being up, so acks buffered while it is broken are
+  sent all the same.
 - **Flow control on this side.** Messages past ``max_outstanding_*`` are held back, leased, and
   handed over as acks free room; the stream is not read while the load is 1 or more, and is read
   again below 0.8.
@@ -77,6 +78,8 @@ GATEWAY_TIMEOUT reaches gRPC as UNAVAILABLE). OK: Pub/Sub ends long-lived stream
 
 HEARTBEAT_SECONDS = 30.0
 _DEFAULT_STREAM_ACK_DEADLINE_SECONDS = 60
+_LEASE_LOOP_MIN_SECONDS = 0.01
+"""The lease loop sleeps 0.01-0.9 x deadline seconds, at random (the official leaser's snooze)."""
 _REOPEN_LIMIT = 5
 _REOPEN_WINDOW_SECONDS = 10.0
 """At most 5 opens in 10 s (the official client's reopen throttle)."""
@@ -112,7 +115,8 @@ class IntakeMessage:
         self.ack_id: str = received.ack_id
         self.message_id: str = message.message_id
         self.data: bytes = message.data
-        self.attributes: Mapping[str, str] = message.attributes
+        attributes = message.attributes
+        self.attributes: Mapping[str, str] = {k: attributes[k] for k in attributes}  # dict() of it is 2x slower
         self.ordering_key: str = message.ordering_key
         stamp = message.publish_time
         self._publish_seconds: int = stamp.seconds
@@ -472,7 +476,7 @@ class StreamIntake:
                 self.sender.flush()
             if self._on_hold or not self._readable.is_set():
                 self._release_held()
-            await asyncio.sleep(random.uniform(rpc.BATCH_LATENCY_SECONDS, deadline * 0.9))
+            await asyncio.sleep(random.uniform(_LEASE_LOOP_MIN_SECONDS, deadline * 0.9))
 
     async def _heartbeat(self) -> None:
         while True:
