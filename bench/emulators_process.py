@@ -47,6 +47,12 @@ class Emulators:
     _proc: subprocess.Popen[str] | None = None
     _out: OutputPump | None = None
 
+    @property
+    def pid(self) -> int:
+        """The emulators' process (one process serves Pub/Sub, Firestore and Monitoring)."""
+        assert self._proc is not None, "start() first"
+        return self._proc.pid
+
     def start(self) -> None:
         cmd = [
             sys.executable, "-m", "sidecar", "emulators",

@@ -54,6 +54,34 @@ def wait_until(predicate: Callable[[], _T], timeout: float, what: str, interval:
 # ---- /proc ---------------------------------------------------------------------------------------
 
 
+class CpuSplit:
+    """CPU seconds each process of a phase used between ``start()`` and ``stop()``: where the
+    machine's cores go (on 2 cores the publisher, the emulators, the sidecar and the app share them,
+    so one's throughput follows the others' CPU)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._before: dict[str, float] = {}
+        self.used: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._before = {name: self._now(pid) for name, pid in self._pids.items()}
+
+    def stop(self) -> None:
+        self.used = {name: self._now(pid) - self._before[name] for name, pid in self._pids.items()}
+
+    def per_10k(self, messages: int) -> dict[str, float]:
+        """Each process's CPU seconds per 10,000 messages."""
+        return {name: round(seconds / messages * 10_000, 3) for name, seconds in self.used.items()}
+
+    @staticmethod
+    def _now(pid: int) -> float:
+        if pid == os.getpid():
+            times = os.times()
+            return times.user + times.system
+        return cpu_seconds(pid)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds the process has used so far."""
     raw = Path(f"/proc/{pid}/stat").read_text()

@@ -22,10 +22,11 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 from bench.app import BenchApp, wait_acks_durable
-from bench.harness import cpu_seconds, peak_rss_mb, percentile
+from bench.harness import CpuSplit, cpu_seconds, peak_rss_mb, percentile
 from bench.otlp_receiver import OtlpReceiver
 from bench.pubsub_clients import Outgoing
 from bench.run_context import RunContext
@@ -57,8 +58,11 @@ async def run_baseline(context: RunContext, scenario: Scenario) -> Result:
         await asyncio.to_thread(context.pubsub.publish, subscription, warm_up)
         await asyncio.to_thread(wait, 1, phase_timeout(1))
         cpu_before = cpu_seconds(result.pid)
+        split = CpuSplit({"subscriber": result.pid, "emulators": context.emulators.pid, "bench": os.getpid()})
+        split.start()
         started = await asyncio.to_thread(context.pubsub.publish, subscription, stream)
         await asyncio.to_thread(wait, 1 + len(stream), phase_timeout(len(stream)))
+        split.stop()
         elapsed = result.last_at - started
         rate = context.sizes.latency_rate_per_second
         await asyncio.to_thread(context.pubsub.publish, subscription, latency_stream, rate)
@@ -77,6 +81,7 @@ async def run_baseline(context: RunContext, scenario: Scenario) -> Result:
         cpu_ratio_to_baseline=1.0,
         p50_ms=_ms(percentile(result.latencies, 0.50)),
         p99_ms=_ms(percentile(result.latencies, 0.99)),
+        extra={"throughput_phase_cpu_seconds_per_10k": split.per_10k(len(stream))},
     )
 
 
@@ -103,10 +108,13 @@ async def run_sidecar(context: RunContext, scenario: Scenario) -> Result:
         await asyncio.to_thread(sidecar.wait_ready)
         context.emulators.reset_firestore_counters()
         cpu_before = cpu_seconds(sidecar.pid)
+        split = CpuSplit({"sidecar": sidecar.pid, "emulators": context.emulators.pid, "bench": os.getpid()})
         app = BenchApp(sidecar.grpc)
         app.start()
+        split.start()
         started = await asyncio.to_thread(context.pubsub.publish, subscription, stream)
         await app.wait_for(distinct, phase_timeout(count))
+        split.stop()
         elapsed = app.last_at - started
         # The latency phase starts on a settled sidecar, so that it measures the pipeline and
         # not the tail of the throughput phase's ack commits.
@@ -160,6 +168,7 @@ async def run_sidecar(context: RunContext, scenario: Scenario) -> Result:
             "firestore": counters,
             "latency_rate_per_second": rate,
             "sidecar_exit_code": exit_code,
+            "throughput_phase_cpu_seconds_per_10k": split.per_10k(distinct),
             **({"tracing_spans": tracing} if tracing else {}),
         },
     )

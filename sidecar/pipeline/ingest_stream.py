@@ -344,15 +344,18 @@ class StreamIntake:
         got = False
         try:
             self._stream_deadline = self._stream_deadline_now()
-            await call.write(
-                rpc.StreamingPullRequest(
-                    subscription=self.subscription_path,
-                    client_id=self.client_id,
-                    stream_ack_deadline_seconds=self._stream_deadline,
-                    max_outstanding_messages=self.leases.max_messages,
-                    max_outstanding_bytes=self.leases.max_bytes,
-                )
+            first = rpc.StreamingPullRequest(
+                subscription=self.subscription_path,
+                client_id=self.client_id,
+                stream_ack_deadline_seconds=self._stream_deadline,
+                max_outstanding_messages=self.leases.max_messages,
+                max_outstanding_bytes=self.leases.max_bytes,
             )
+            # Not awaited before reading: a refusal at the start of the call (a quota, a missing
+            # permission) would fail the write first, and grpc's aio client then sets the call's
+            # status to INTERNAL "Internal error from Core" itself, over the server's. The reader
+            # gets the server's status.
+            asyncio.ensure_future(call.write(first)).add_done_callback(_retrieved)
             while True:
                 if not self._readable.is_set():
                     await self._readable.wait()
@@ -416,8 +419,15 @@ class StreamIntake:
         go now (the caller yields a turn first). Pauses or resumes reading by the load."""
         hold = self._on_hold
         leases = self.leases
+        max_messages, max_bytes = leases.max_messages, leases.max_bytes
         handed = 0
-        while hold and handed < limit and leases.load(len(hold), self._on_hold_bytes) < 1.0:
+        # The load below 1, inline: leases.load(len(hold), self._on_hold_bytes) < 1.0.
+        while (
+            hold
+            and handed < limit
+            and len(leases) - len(hold) < max_messages
+            and leases.bytes - self._on_hold_bytes < max_bytes
+        ):
             message = hold.popleft()
             self._on_hold_bytes -= message.size
             if message.ack_id not in leases:
@@ -509,3 +519,9 @@ class StreamIntake:
         self._upkeep = []
         if self._call is not None:
             self._call.cancel()
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """The first request's write: its failure is the call's, which the reader reports."""
+    if not task.cancelled():
+        task.exception()
