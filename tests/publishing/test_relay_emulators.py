@@ -84,11 +84,23 @@ class Received:
         self._client.close()
 
 
-async def until(what: str, check: Callable[[], Awaitable[bool]]) -> None:
+async def until(what: str, check: Callable[[], Awaitable[bool]], state: Callable[[], object] = str) -> None:
+    """Poll ``check`` until true; past the deadline, fail with ``state()`` (what the relays say)."""
     deadline = time.monotonic() + _DEADLINE_SECONDS
     while not await check():
-        assert time.monotonic() < deadline, f"not within {_DEADLINE_SECONDS}s: {what}"
+        assert time.monotonic() < deadline, f"not within {_DEADLINE_SECONDS}s: {what}; {state()}"
         await asyncio.sleep(0.05)
+
+
+def relay_state(pods: Pods, received: Received | None = None) -> dict[str, object]:
+    """The relays' counters, shards and views and the distinct events received: a timeout's context."""
+    state: dict[str, object] = {
+        f"relay {n}": {**r.counts(), "snapshots": r.snapshots, "waiting": [w.reason for w in r.waiting()]}
+        for n, r in enumerate(pods.relays)
+    }
+    if received is not None:
+        state["received"] = sorted(received.by_number())
+    return state
 
 
 @contextlib.asynccontextmanager
@@ -167,8 +179,8 @@ async def test_two_pods_publish_every_event_once_per_number_in_commit_order(proj
                 await asyncio.get_running_loop().run_in_executor(None, received.pull)
                 return len(received.by_number()) == len(orders) * len(events)
 
-            await until("every event published", all_received)
-            await until("the outbox empty", lambda: outbox_empty(db))
+            await until("every event published", all_received, lambda: relay_state(pods, received))
+            await until("the outbox empty", lambda: outbox_empty(db), lambda: relay_state(pods))
         found = received.by_number()
         for order in orders:
             assert [found[(order, n)] for n in (1, 2, 3)] == [f"{order}:{e}".encode() for e in events]
@@ -194,7 +206,7 @@ async def test_a_failing_publish_delays_and_never_reorders(project: str, stack: 
                 await asyncio.get_running_loop().run_in_executor(None, received.pull)
                 return len(received.by_number()) == 12
 
-            await until("every event published after the faults", all_received)
+            await until("every event published after the faults", all_received, lambda: relay_state(pods, received))
         found = received.by_number()
         for n in range(4):
             assert [found[(f"o{n}", s)] for s in (1, 2, 3)] == [f"o{n}:{e}".encode() for e in "ABC"]
@@ -223,7 +235,7 @@ async def test_an_unpublishable_entry_blocks_its_key_only(project: str) -> None:
                 await asyncio.get_running_loop().run_in_executor(None, received.pull)
                 return len(received.by_number()) == 2
 
-            await until("the good key's events published", good_received)
+            await until("the good key's events published", good_received, lambda: relay_state(pods, received))
             reasons = {str(w.key): w.reason for w in relay.waiting()}
             assert set(reasons) == {"bad", "None"}
             assert "set by the relay" in reasons["bad"]
