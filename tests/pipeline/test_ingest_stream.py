@@ -17,7 +17,8 @@ from google.protobuf import empty_pb2
 from pubsub_admin import PubSubAdmin, wait_until
 
 from sidecar.config.model import FlowControlConfig
-from sidecar.pipeline.ingest_stream import IntakeMessage, StreamIntake
+from sidecar.pipeline.ingest_stream import StreamIntake
+from sidecar.pipeline.ingest_stream_message import IntakeMessage
 from sidecar.pipeline.pull_health import PullHealth
 
 pytestmark = pytest.mark.timeout(120)
