@@ -65,21 +65,14 @@ class CpuSplit:
         self.used: dict[str, float] = {}
 
     def start(self) -> None:
-        self._before = {name: self._now(pid) for name, pid in self._pids.items()}
+        self._before = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
 
     def stop(self) -> None:
-        self.used = {name: self._now(pid) - self._before[name] for name, pid in self._pids.items()}
+        self.used = {name: cpu_seconds(pid) - self._before[name] for name, pid in self._pids.items()}
 
     def per_10k(self, messages: int) -> dict[str, float]:
         """Each process's CPU seconds per 10,000 messages."""
         return {name: round(seconds / messages * 10_000, 3) for name, seconds in self.used.items()}
-
-    @staticmethod
-    def _now(pid: int) -> float:
-        if pid == os.getpid():
-            times = os.times()
-            return times.user + times.system
-        return cpu_seconds(pid)
 
 
 def cpu_seconds(pid: int) -> float:

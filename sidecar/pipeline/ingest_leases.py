@@ -117,6 +117,10 @@ class LeaseBook:
             (self.bytes - on_hold_bytes) / self.max_bytes,
         )
 
+    def has_room(self, on_hold: int = 0, on_hold_bytes: int = 0) -> bool:
+        """``load(on_hold, on_hold_bytes) < 1``, without the divisions: asked once per message handed over."""
+        return len(self._leases) - on_hold < self.max_messages and self.bytes - on_hold_bytes < self.max_bytes
+
     def deadline(self) -> int:
         """The ack deadline to ask for now, in seconds (sticky; see the module's rules)."""
         size = self.histogram.size

@@ -296,8 +296,8 @@ class StreamIntake:
             )
             # Not awaited before reading: a refusal at the start of the call (a quota, a missing
             # permission) would fail the write first, and grpc's aio client then sets the call's
-            # status to INTERNAL "Internal error from Core" itself, over the server's. The reader
-            # gets the server's status.
+            # status to INTERNAL "Internal error from Core" itself, over the server's. Read first,
+            # the reader mostly gets the server's status (grpc can still fail the write first).
             asyncio.ensure_future(call.write(first)).add_done_callback(_retrieved)
             while True:
                 if not self._readable.is_set():
@@ -362,15 +362,8 @@ class StreamIntake:
         go now (the caller yields a turn first). Pauses or resumes reading by the load."""
         hold = self._on_hold
         leases = self.leases
-        max_messages, max_bytes = leases.max_messages, leases.max_bytes
         handed = 0
-        # The load below 1, inline: leases.load(len(hold), self._on_hold_bytes) < 1.0.
-        while (
-            hold
-            and handed < limit
-            and len(leases) - len(hold) < max_messages
-            and leases.bytes - self._on_hold_bytes < max_bytes
-        ):
+        while hold and handed < limit and leases.has_room(len(hold), self._on_hold_bytes):
             message = hold.popleft()
             self._on_hold_bytes -= message.size
             if message.ack_id not in leases:

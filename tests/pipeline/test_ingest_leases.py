@@ -73,6 +73,8 @@ def test_the_lease_book_holds_what_was_received_and_not_settled_and_asks_for_the
         assert len(book) == len(held)
         assert book.bytes == sum(s for s, _t in held.values())
         assert book.load() == pytest.approx(max(len(held) / 5, book.bytes / 10_000))
+        for on_hold in range(len(held) + 1):
+            assert book.has_room(on_hold) == (len(held) - on_hold < 5 and book.bytes < 10_000)
 
 
 def test_the_histogram_clamps_to_pubsubs_deadline_range() -> None:
